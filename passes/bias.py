@@ -1,0 +1,69 @@
+"""Bias passes: split biases off matmuls before planning, fuse them back after rewriting.
+
+A row-parallel matmul produces partial sums; its bias must be added once, after the
+all-reduce, not on every rank. Planning on ``linear(x, W) + b`` instead of ``linear(x, W, b)``
+makes that fall out of the rule table (``Partial + Replicate`` needs the all-reduce first), and
+lets a column-parallel bias be sharded like any other operand. After the rewrite,
+:func:`fuse_bias_pass` folds every bias that still directly follows its matmul back in, so
+eager mode runs one ``addmm`` as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+__all__ = ["split_bias_pass", "fuse_bias_pass"]
+
+
+def split_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """``linear(x, W, b)`` -> ``linear(x, W) + b``; ``addmm(b, x, W)`` -> ``mm(x, W) + b``."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
+            x, w, b = node.args
+            matmul_args, target = (x, w), aten.linear.default
+        elif node.target is aten.addmm.default and not node.kwargs:
+            b, x, w = node.args[:3]
+            matmul_args, target = (x, w), aten.mm.default
+        else:
+            continue
+        users = list(node.users)
+        node.target, node.args = target, matmul_args
+        with g.inserting_after(node):
+            add = g.create_node("call_function", aten.add.Tensor, (node, b), name=f"{node.name}_bias")
+        add.meta = dict(node.meta)
+        for u in users:
+            u.replace_input_with(node, add)
+    gm.recompile()
+    return gm
+
+
+def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """``linear(x, W) + b`` -> ``linear(x, W, b)`` where the sum directly follows the matmul."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        mm, b = node.args
+        if not (isinstance(mm, fx.Node) and isinstance(b, fx.Node) and len(mm.users) == 1):
+            continue
+        bias_val = b.meta.get("val")
+        if not (isinstance(bias_val, torch.Tensor) and bias_val.dim() == 1):
+            continue
+        if mm.target is aten.linear.default and len(mm.args) == 2:
+            fused = (aten.linear.default, (mm.args[0], mm.args[1], b))
+        elif mm.target is aten.mm.default:
+            fused = (aten.addmm.default, (b, mm.args[0], mm.args[1]))
+        else:
+            continue
+        with g.inserting_before(node):
+            new = g.call_function(*fused)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        g.erase_node(mm)
+    gm.recompile()
+    return gm

@@ -1,0 +1,59 @@
+"""Localize: rewrite the shape constants a shard changes, on one rank's copy of the graph.
+
+Export bakes sizes into the graph (``view(s0, s1, 8, 16)``, ``split(64)``,
+``expand(s0, 2, 4, s1, 16)``). Once a dim is sharded, each rank must use its own local size
+there. Which args to rewrite is the rule table's business (each rule's ``localize``); this pass
+supplies the per-rank sizes and does the graph edits.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from tpcompile.placement import Shard
+from tpcompile.plan import ShardingPlan
+from tpcompile.passes.dims import norm_dim, shape
+from tpcompile.passes.rules import rule_for
+
+__all__ = ["localize_shapes_pass"]
+
+
+class LocalView:
+    """What a rule's ``localize`` sees: the plan's placements as sizes on one rank."""
+
+    def __init__(self, plan: ShardingPlan, rank: int):
+        self.plan, self.rank, self.specs = plan, rank, plan.specs
+        self.consumed = {(c.value, c.user): c.dst for c in plan.conversions}
+
+    def out_placements(self, node: fx.Node) -> list:
+        p = self.plan.placement(node.name)
+        return list(p) if isinstance(p, (list, tuple)) else [p]
+
+    def local_size(self, placement: Shard) -> int:
+        return self.specs.local_size(placement.layout, self.rank)
+
+    def sharded_out_dims(self, node: fx.Node) -> list[tuple[int, int]]:
+        return [(p.dim, self.local_size(p)) for p in self.out_placements(node)
+                if isinstance(p, Shard)]
+
+    def input_sharded_on(self, node: fx.Node, dim: int) -> bool:
+        x = node.args[0]
+        p = self.consumed.get((x.name, node.name), self.plan.placement(x.name))
+        return isinstance(p, Shard) and p.dim == norm_dim(dim, len(shape(x)))
+
+    def set_arg(self, node: fx.Node, index: int, value) -> None:
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+
+    def replace_target(self, node: fx.Node, target, args) -> None:
+        node.target, node.args = target, tuple(args)
+
+
+def localize_shapes_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int) -> fx.GraphModule:
+    local = LocalView(plan, rank)
+    for node in gm.graph.nodes:
+        rule = rule_for(node)
+        if rule is not None and rule.localize is not None and node.name in plan.placements:
+            rule.localize(node, local)
+    return gm

@@ -1,0 +1,224 @@
+"""The planner: propagate placements, refine, and freeze the result into a ShardingPlan.
+
+``plan_sharding`` repeats :func:`propagate` until nothing changes:
+
+1. *Demands*: a view that splits features into ``(heads, head_dim)``, a split of a fused qkv
+   output, or grouped-query heads meeting their query groups each say how a root must be cut
+   (whole heads, per-chunk blocks, whole groups). They are added and propagation reruns.
+2. *Regions*: roots that meet in one op (q and k in an attention, w1 and w3 in SwiGLU) form a
+   region. A region that never reaches a row-parallel matmul would only ever be gathered again
+   (an LM head, a classifier), so its matmuls are kept replicated and propagation reruns.
+
+Then parameters whose every use wants the same shard are sharded themselves (instead of being
+sliced at each use), and replicated values whose gradient arrives as per-rank partial sums are
+marked for a gradient all-reduce (Megatron's *f*), one per value however many consumers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+import torch
+from torch import fx
+
+from tpcompile.capture import Capture
+from tpcompile.errors import TPCompileError
+from tpcompile.placement import Partial, Replicate, Shard, Specs
+from tpcompile.plan import Conversion, ParamPlan, ShardingPlan
+from tpcompile.passes.dims import shape, val
+from tpcompile.passes.propagate import PARAM_MATMULS, Propagation, _same, propagate
+
+log = logging.getLogger(__name__)
+
+__all__ = ["plan_sharding"]
+
+MAX_ROUNDS = 64
+
+
+def plan_sharding(cap: Capture, world_size: int) -> ShardingPlan:
+    """Choose column / row / replicated placements for every weight of ``cap.gm``."""
+    if world_size < 1:
+        raise TPCompileError(f"world_size must be >= 1, got {world_size}")
+    gm = cap.gm
+    no_column: dict[str, str] = {}
+    demands: list = []
+    for _ in range(MAX_ROUNDS):
+        state = propagate(gm, world_size, cap.params, set(no_column), demands)
+        fresh = [d for d in state.demands if d not in demands]
+        if fresh:
+            demands.extend(fresh)
+            continue
+        dead = _dead_regions(gm, state)
+        if not dead:
+            break
+        no_column.update(dead)
+    else:
+        log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
+    return _freeze(cap, state, no_column, world_size)
+
+
+def _consumed(state: Propagation, value: fx.Node, user: fx.Node):
+    """The placement ``user`` reads ``value`` in (after any conversion)."""
+    return state.conversions.get((value, user), state.placements.get(value))
+
+
+def _dead_regions(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+    regions = nx.Graph()
+    regions.add_nodes_from(state.roots)
+    regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
+    exits: dict[str, list[str]] = {}
+    for node, placement in state.placements.items():
+        if not isinstance(placement, Partial):
+            continue
+        for arg in node.all_input_nodes:
+            p = _consumed(state, arg, node)
+            if isinstance(p, Shard):
+                exits.setdefault(p.layout.root, []).append(node.name)
+    gathers = {}
+    for (value, user), dst in state.conversions.items():
+        src = state.placements.get(value)
+        if isinstance(src, Shard) and not isinstance(dst, Shard) and user.name not in state.fallbacks:
+            # a rule that needs the whole dim (a norm over features, the graph output): the
+            # region leaks into replicated code and would gather there on every step
+            gathers.setdefault(src.layout.root, user.name)
+    dead = {}
+    for component in nx.connected_components(regions):
+        leak = next((gathers[r] for r in sorted(component) if r in gathers), None)
+        if leak is None and any(root in exits for root in component):
+            continue
+        why = (f"its sharded output would be all-gathered at {leak}" if leak is not None
+               else "no row-parallel consumer: its sharded output would be all-gathered")
+        for root in sorted(component):
+            dead[state.roots[root].name] = why
+    return dead
+
+
+def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
+    """Values that may carry a gradient: floating tensors downstream of params or inputs."""
+    out = set()
+    for node in gm.graph.nodes:
+        v = val(node)
+        if not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+            continue
+        if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
+            out.add(node)
+        elif node.op == "call_function" and any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _is_distributed(p) -> bool:
+    if isinstance(p, (list, tuple)):
+        return any(_is_distributed(x) for x in p)
+    return p is not None and not isinstance(p, Replicate)
+
+
+def _absorb_params(gm, state: Propagation) -> None:
+    """A weight every use wants sharded the same way is stored sharded; no slicing at use."""
+    specs = state.specs
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        wanted = [state.conversions.get((node, u)) for u in node.users]
+        first = wanted[0]
+        if isinstance(first, Shard) and all(
+                isinstance(w, Shard) and _same(specs, first, w) for w in wanted):
+            state.placements[node] = first
+            for u in node.users:
+                del state.conversions[(node, u)]
+
+
+def _grad_syncs(gm, state: Propagation, needs_grad: set) -> list[str]:
+    """Replicated values some consumer differentiates only partially (per rank) -> f."""
+    out = []
+    for node in gm.graph.nodes:
+        if node not in needs_grad or not isinstance(state.placements.get(node), Replicate):
+            continue
+        for user in node.users:
+            dst = state.conversions.get((node, user))
+            if isinstance(dst, Shard) or (dst is None and _is_distributed(state.placements.get(user))):
+                out.append(node.name)
+                break
+    return out
+
+
+def _style(node: fx.Node, state: Propagation) -> str:
+    p = state.placements[node]
+    if not isinstance(p, Shard) or state.specs.is_full(p.layout):
+        return "replicate"
+    if any(isinstance(state.placements.get(u), Partial) for u in node.users):
+        return "rowwise"
+    return "colwise"
+
+
+def _local_shape(global_shape, placement, specs: Specs, rank: int):
+    s = list(global_shape)
+    if isinstance(placement, Shard):
+        s[placement.dim] = specs.local_size(placement.layout, rank)
+    return tuple(s)
+
+
+def _replicated_reason(node: fx.Node, no_column: dict[str, str], cap: Capture) -> str:
+    users = list(node.users)
+    if node.target not in cap.params:
+        return "buffer"
+    if len(users) > 1:
+        return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
+    user = users[0] if users else None
+    if user is not None and user.name in no_column:
+        return no_column[user.name]
+    if user is not None and user.target in PARAM_MATMULS:
+        return "its matmul's input is not sharded on a dim it can split"
+    return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
+
+
+def _freeze(cap: Capture, state: Propagation, no_column: dict[str, str], ws: int) -> ShardingPlan:
+    gm = cap.gm
+    specs = state.specs
+    _absorb_params(gm, state)
+    syncs = _grad_syncs(gm, state, _needs_grad(gm, cap.params))
+    params = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not isinstance(val(node), torch.Tensor):
+            continue
+        p = state.placements[node]
+        style = _style(node, state)
+        overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
+        grad_sync = node.target in cap.params and (node.name in syncs or overlapping)
+        if style == "replicate" and isinstance(p, Shard):
+            reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
+                      f"region of {next(iter(node.users)).name}")
+        elif style == "replicate":
+            reason = _replicated_reason(node, no_column, cap)
+        else:
+            user = next(iter(node.users))
+            reason = f"{style} in {user.name}" + (
+                "; replicated blocks (too few heads for every rank)" if overlapping else "")
+        gshape = tuple(int(s) for s in shape(node))
+        params[node.target] = ParamPlan(
+            name=node.target, aliases=cap.aliases.get(node.target, (node.target,)), style=style,
+            placement=p, global_shape=gshape,
+            local_shapes=tuple(_local_shape(gshape, p, specs, r) for r in range(ws)),
+            grad_sync=grad_sync, reason=reason)
+    conversions = tuple(
+        Conversion(value.name, user.name, state.placements.get(value), dst)
+        for (value, user), dst in state.conversions.items())
+    used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
+    return ShardingPlan(
+        world_size=ws, params=params,
+        placements={n.name: p for n, p in state.placements.items() if p is not None},
+        conversions=conversions,
+        grad_syncs=tuple(syncs),
+        roots={k: v for k, v in specs.roots.items() if k in used_roots},
+        fallbacks=dict(state.fallbacks),
+        replicated={k: v for k, v in no_column.items()},
+    )
+
+
+def _all_shards(placements):
+    for p in placements:
+        if isinstance(p, (list, tuple)):
+            yield from _all_shards(p)
+        elif isinstance(p, Shard):
+            yield p

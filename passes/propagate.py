@@ -1,0 +1,207 @@
+"""Placement propagation: run the rule table over the graph in topological order.
+
+This is an analysis; it does not touch the graph. Given which matmuls may start a
+column-parallel region and how each root is cut, it returns every node's output placement and
+the conversions (gathers, all-reduces, local slices) consumers need. The planner
+(:mod:`tpcompile.passes.plan_sharding`) calls it repeatedly while it refines those inputs.
+
+Column parallelism is decided here, locally: a matmul whose activation is replicated and whose
+weight is a trainable parameter used nowhere else shards that weight's output features (a new
+*root*); a matmul whose activation arrives sharded on the contracted dim shards its weight's
+input features to match (row parallel) and produces a Partial sum. Chains therefore alternate
+column -> row exactly as Megatron's do, whatever the modules are called.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from tpcompile.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
+from tpcompile.passes.dims import shape, val
+from tpcompile.passes.rules import rule_for
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+__all__ = ["Propagation", "propagate", "PARAM_MATMULS"]
+
+PARAM_MATMULS = (aten.linear.default, aten.mm.default, aten.matmul.default)
+
+
+@dataclass
+class Propagation:
+    placements: dict[fx.Node, object] = field(default_factory=dict)
+    conversions: dict[tuple[fx.Node, fx.Node], object] = field(default_factory=dict)
+    roots: dict[str, fx.Node] = field(default_factory=dict)   # root name -> matmul node
+    demands: list[Demand] = field(default_factory=list)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    links: list[tuple[str, str]] = field(default_factory=list)  # roots that meet in one op
+    specs: Specs | None = None
+
+
+def _is_tensor(arg) -> bool:
+    return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor)
+
+
+class OpView:
+    """What a rule sees of one node: input placements, and a way to ask for conversions."""
+
+    def __init__(self, node, state: Propagation, specs: Specs, trainable, no_column, demands):
+        self.node, self._state, self.specs = node, state, specs
+        self._trainable, self._no_column, self._demands = trainable, no_column, demands
+        self.required: dict[fx.Node, object] = {}
+
+    def is_tensor(self, arg) -> bool:
+        return _is_tensor(arg)
+
+    def placement(self, arg):
+        """The placement ``arg`` is produced in (a list for multi-output ops); R for constants."""
+        p = self._state.placements.get(arg) if isinstance(arg, fx.Node) else None
+        return Replicate() if p is None else p
+
+    def require(self, arg, placement) -> None:
+        if not _is_tensor(arg):
+            return
+        if not _same(self.specs, self.placement(arg), placement):
+            self.required[arg] = placement
+        else:
+            self.required.pop(arg, None)
+
+    def overlaps(self, layout: Layout) -> bool:
+        return self.specs.overlaps(layout)
+
+    def check_aligned(self, layout: Layout) -> None:
+        self.specs.ranges(layout)
+
+    def require_block(self, layout: Layout) -> None:
+        """The root indices ``layout`` covers must be whole blocks of its root's cut."""
+        lo, hi = layout.covered()
+        cuts = {b.start for b in self.specs.roots[layout.root].blocks} | {layout.size}
+        cuts |= {b.stop for b in self.specs.roots[layout.root].blocks}
+        demand = Demand(layout.root, lo, hi, reason=f"chunk [{lo}, {hi}) of {layout.root}")
+        if (lo not in cuts or hi not in cuts) and demand not in self._demands:
+            raise Misaligned(demand)
+
+    def unify(self, items: list[tuple[fx.Node, Layout]]) -> Layout:
+        """One layout for operands sharded on the same label; the rest get converted to it."""
+        target = items[0][1]
+        for _, layout in items[1:]:
+            self._state.links.append((target.root, layout.root))
+            if self.specs.same(target, layout) or self.specs.contains(layout, target):
+                continue
+            if self.specs.contains(target, layout):
+                target = layout  # narrow the wider operands to the more specific one
+                continue
+            if target.rep != layout.rep and target.size == layout.size:
+                # grouped-query heads: cut the ungrouped root in whole groups, then they agree
+                plain, grouped = (target, layout) if target.rep < layout.rep else (layout, target)
+                lo, hi = plain.covered()
+                demand = Demand(plain.root, lo, hi, plain.scale * grouped.rep // plain.rep,
+                                reason=f"{plain.root} must be cut in whole groups of {grouped.root}")
+                if demand not in self._demands:
+                    raise Misaligned(demand)
+        return target
+
+    def maybe_column_parallel(self, operands, out_labels):
+        """Start a column-parallel root at a parameter matmul with a replicated activation."""
+        node = self.node
+        if node.target not in PARAM_MATMULS or node.name in self._no_column or "n" not in out_labels:
+            return None
+        weights = [(arg, labels) for arg, labels in operands
+                   if "n" in labels and self._trainable(arg)]
+        if len(weights) != 1:
+            return None
+        w, labels = weights[0]
+        dim = labels.index("n")
+        size = int(shape(w)[dim])
+        if size < self.specs.world_size:
+            return None
+        name = w.target
+        if name not in self.specs.roots:
+            mine = [d for d in self._demands if d.root == name]
+            self.specs.roots[name] = RootSpec.build(name, size, self.specs.world_size, mine)
+        self._state.roots[name] = node
+        layout = Layout(name, size)
+        self.require(w, Shard(dim, layout))
+        for arg, lab in operands:
+            if arg is not w and "n" in lab:  # a bias over the same features
+                self.require(arg, Shard(lab.index("n"), layout))
+        return Shard(out_labels.index("n"), layout)
+
+
+def _same(specs: Specs, a, b) -> bool:
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        return a.dim == b.dim and specs.same(a.layout, b.layout)
+    return type(a) is type(b) and not isinstance(a, Shard)
+
+
+def _trainable_single_use(params: frozenset[str]):
+    def check(arg) -> bool:
+        return (isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params
+                and len(arg.users) == 1)
+    return check
+
+
+def propagate(gm: fx.GraphModule, world_size: int, params: frozenset[str],
+              no_column: set[str] = frozenset(), demands: list[Demand] = ()) -> Propagation:
+    """Placements of every node when matmuls outside ``no_column`` may go column-parallel."""
+    state = Propagation()
+    specs = Specs(world_size)
+    state.specs = specs
+    trainable = _trainable_single_use(params)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            state.placements[node] = Replicate() if _is_tensor(node) else None
+            continue
+        if node.op == "output":
+            op = OpView(node, state, specs, trainable, no_column, demands)
+            for arg in node.all_input_nodes:
+                op.require(arg, Replicate())
+            _record(state, node, op.required)
+            continue
+        out = _visit(node, state, specs, trainable, no_column, demands)
+        state.placements[node] = out
+    return state
+
+
+def _visit(node, state, specs, trainable, no_column, demands):
+    tensor_out = isinstance(val(node), (torch.Tensor, list, tuple))
+    inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
+    distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
+    rule = rule_for(node)
+    op = OpView(node, state, specs, trainable, no_column, demands)
+    if rule is not None and tensor_out:
+        try:
+            out = rule.propagate(op)
+            _record(state, node, op.required)
+            return out
+        except Misaligned as e:
+            state.demands.append(e.demand)
+            reason = e.demand.reason
+        except Exception as e:  # noqa: BLE001 - a rule that cannot follow an op replicates it
+            log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
+            reason = f"sharding rule failed: {type(e).__name__}: {e}"
+    else:
+        reason = f"no sharding rule for {getattr(node.target, '__name__', node.target)}"
+    op = OpView(node, state, specs, trainable, no_column, demands)
+    for a in inputs:
+        op.require(a, Replicate())
+    if distributed and any(isinstance(state.placements.get(a), Shard) for a in inputs):
+        state.fallbacks[node.name] = reason
+    _record(state, node, op.required)
+    if not tensor_out:
+        return None
+    v = val(node)
+    return [Replicate()] * len(v) if isinstance(v, (list, tuple)) else Replicate()
+
+
+def _record(state: Propagation, node: fx.Node, required: dict) -> None:
+    for arg, placement in required.items():
+        state.conversions[(arg, node)] = placement
+        src = state.placements.get(arg)
+        if isinstance(src, Shard) and isinstance(placement, Shard):
+            state.links.append((src.layout.root, placement.layout.root))

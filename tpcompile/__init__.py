@@ -1,0 +1,12 @@
+"""tpcompile: automatic Megatron-style tensor parallelism for PyTorch, planned on the FX graph."""
+
+from tpcompile.api import parallelize, plan_model
+from tpcompile.errors import CaptureError, MeshError, PlanMismatchError, TPCompileError
+from tpcompile.plan import ShardingPlan
+from tpcompile.runtime import TPModule, gather_full
+
+__all__ = [
+    "parallelize", "plan_model", "ShardingPlan", "TPModule", "gather_full",
+    "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError",
+]
+__version__ = "0.1.0"

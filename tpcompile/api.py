@@ -1,0 +1,102 @@
+"""``tpcompile.parallelize``: capture -> plan -> rewrite -> a module of local shards.
+
+Example (under ``torchrun --nproc-per-node 2``)::
+
+    import torch.distributed as dist, tpcompile
+    dist.init_process_group("gloo")            # "nccl" on GPUs
+    model = MyTransformer()                    # any nn.Module
+    tp = tpcompile.parallelize(model, (tokens,))
+    loss = tp(tokens).sum(); loss.backward()   # grads are local shards, outputs replicated
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from tpcompile.capture import capture
+from tpcompile.errors import MeshError, PlanMismatchError, TPCompileError
+from tpcompile.pipeline import Pass, run_passes
+from tpcompile.plan import ShardingPlan
+from tpcompile.passes.bias import fuse_bias_pass, split_bias_pass
+from tpcompile.passes.insert_collectives import insert_collectives_pass
+from tpcompile.passes.localize import localize_shapes_pass
+from tpcompile.passes.materialize import materialize_params_pass
+from tpcompile.passes.plan_sharding import plan_sharding
+from tpcompile.runtime import TPModule
+
+__all__ = ["parallelize", "plan_model", "rewrite_passes", "resolve_group"]
+
+
+def resolve_group(mesh=None):
+    """(group, rank, world_size) for a 1-D DeviceMesh, a ProcessGroup, or the default group."""
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise MeshError(
+                "no process group: call torch.distributed.init_process_group first (torchrun "
+                "sets the environment), or pass mesh=init_device_mesh(device, (world_size,))")
+        group = dist.group.WORLD
+    elif isinstance(mesh, dist.ProcessGroup):
+        group = mesh
+    elif hasattr(mesh, "get_group"):
+        if mesh.ndim != 1:
+            raise MeshError(
+                f"tpcompile shards over one mesh dimension; got a {mesh.ndim}-D mesh "
+                f"{tuple(mesh.shape)}; pass the tensor-parallel sub-mesh, e.g. mesh['tp']")
+        group = mesh.get_group()
+    else:
+        raise MeshError(f"mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def plan_model(model: nn.Module, example_inputs, world_size: int):
+    """Capture ``model`` and plan it for ``world_size`` ranks; no process group needed."""
+    cap = capture(model, example_inputs)
+    split_bias_pass(cap.gm)
+    return cap, plan_sharding(cap, world_size)
+
+
+def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]:
+    """The transform pipeline for one rank, each pass named so it can be diffed on its own."""
+    return [
+        ("localize_shapes", functools.partial(localize_shapes_pass, plan=plan, rank=rank)),
+        ("insert_collectives", functools.partial(
+            insert_collectives_pass, plan=plan, rank=rank, group=group_name)),
+        ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
+        ("fuse_bias", fuse_bias_pass),
+    ]
+
+
+def _check_agreement(plan: ShardingPlan, group) -> None:
+    """Ranks compare a fingerprint of the plan before the first collective of the model."""
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+    digests = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) != 1:
+        raise PlanMismatchError(
+            f"ranks planned differently (plan fingerprints per rank: {digests}); every rank must "
+            "call parallelize with the same model code, config and example input shapes")
+
+
+def parallelize(model: nn.Module, example_inputs, mesh=None) -> TPModule:
+    """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
+
+    Args:
+        model: any ``nn.Module`` torch.export can capture; left untouched (free it if you like).
+        example_inputs: a tuple of tensors shaped like a real call (meta tensors work too).
+        mesh: a 1-D ``DeviceMesh`` or ``ProcessGroup``; None uses the default process group.
+
+    Returns:
+        a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
+        its outputs are replicated and equal ``model(*inputs)``; other batch sizes and sequence
+        lengths than ``example_inputs`` are accepted.
+    """
+    group, rank, world_size = resolve_group(mesh)
+    cap, plan = plan_model(model, example_inputs, world_size)
+    _check_agreement(plan, group)
+    gm, _ = run_passes(cap.gm, rewrite_passes(plan, rank, group.group_name))
+    return TPModule(gm, plan, rank, group)

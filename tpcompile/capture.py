@@ -1,0 +1,141 @@
+"""Capture: ``nn.Module`` -> ATen FX graph, with parameters named by their FQNs.
+
+tpcompile plans on the graph ``torch.export.export(strict=False)`` produces before any
+decomposition: ``aten.linear`` and ``aten.scaled_dot_product_attention`` are still whole, every
+node carries ``meta['val']`` (a FakeTensor, so shapes and dtypes are known without memory), and
+``ep.module()`` reads parameters through ``get_attr`` nodes whose targets are the FQNs users
+know. Export traces with fake tensors, so no real activation is ever computed here.
+
+Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths stay symbolic and
+the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+
+from tpcompile.errors import CaptureError
+
+__all__ = ["Capture", "capture", "param_aliases"]
+
+
+@dataclass
+class Capture:
+    """The captured graph and what the passes need to know about its attributes."""
+
+    gm: fx.GraphModule
+    # get_attr target -> every FQN of the model that names the same tensor (tied weights)
+    aliases: dict[str, tuple[str, ...]]
+    # get_attr targets that are trainable parameters (the rest are buffers / constants)
+    params: frozenset[str]
+    input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(
+            f"example_inputs must be a tuple of tensors shaped like a real call, got "
+            f"{type(example_inputs).__name__}; wrap a single tensor as (x,)")
+    return tuple(example_inputs)
+
+
+def _concrete(x, device: torch.device):
+    """Meta example inputs are replaced by zeros (valid token ids too) on the model's device."""
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    return x
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _user_frame(err: BaseException) -> str:
+    """The model source line export blames, e.g. 'model.py:13: if x.sum() > 0:'."""
+    text = str(err)
+    m = re.search(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', text)
+    if m:
+        return f"{m.group(1)}:{m.group(2)}: {m.group(3).strip()}"
+    return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+
+
+def param_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """id(tensor) -> every FQN that names it, for parameters and buffers (ties included)."""
+    out: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(t), []).append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        out.setdefault(id(t), []).append(name)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _export(model: nn.Module, args: tuple, dynamic: bool):
+    shapes = None
+    if dynamic:
+        shapes = tuple(
+            {d: Dim.AUTO for d in range(a.dim())} if isinstance(a, torch.Tensor) else None
+            for a in args
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(model, args, dynamic_shapes=shapes, strict=False)
+
+
+def capture(model: nn.Module, example_inputs, dynamic: bool = True) -> Capture:
+    """Export ``model`` called on ``example_inputs`` and unlift it into a GraphModule.
+
+    Raises :class:`CaptureError` naming the model line export could not trace, with the fix.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    args = tuple(_concrete(x, _model_device(model)) for x in _as_tuple(example_inputs))
+    try:
+        ep = _export(model, args, dynamic)
+    except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
+        raise CaptureError(
+            f"cannot capture data-dependent control flow at {_user_frame(e)}\n"
+            "  hint: a Python `if` on a tensor's value cannot be traced; use torch.cond, "
+            "torch.where, or make the condition a constructor argument") from e
+    except Exception as e:  # noqa: BLE001 - every export failure becomes one actionable error
+        if dynamic:
+            try:
+                return capture(model, example_inputs, dynamic=False)
+            except CaptureError:
+                pass
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__} at "
+            f"{_user_frame(e)}\n  hint: tpcompile captures with torch.export(strict=False); "
+            "make forward traceable (no data-dependent Python control flow, tensors in and out)"
+        ) from e
+    gm = ep.module()
+    aliases_by_id = param_aliases(model)
+    aliases, params = {}, set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        t = _fetch(gm, node.target)
+        if isinstance(t, torch.Tensor):
+            aliases[node.target] = aliases_by_id.get(id(t), (node.target,))
+            if isinstance(t, nn.Parameter) and t.requires_grad:
+                params.add(node.target)
+    specs = tuple(
+        (tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor)
+    )
+    return Capture(gm, aliases, frozenset(params), specs)
+
+
+def _fetch(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

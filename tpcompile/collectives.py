@@ -1,0 +1,158 @@
+"""The collectives a rewritten graph calls: Megatron's conjugate operator pairs.
+
+Each is a ``torch.autograd.Function`` around ``torch.ops._c10d_functional`` ops, so it runs
+eagerly on any ``torch.distributed`` backend and traces into inductor under ``torch.compile``
+(``fullgraph=True``) as plain functional collectives.
+
+The backward of each is chosen for tensor parallelism's gradient convention, not as the
+mathematical adjoint: a replicated value's gradient is *whole* on every rank (every rank
+computes the same replicated loss). Hence ``all_reduce``'s backward is the identity (Megatron
+*g*) and ``copy_to_region``'s backward is an all-reduce (Megatron *f*); plain
+``funcol.all_reduce`` would all-reduce both ways and multiply gradients by the world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "reduce_scatter",
+           "COLLECTIVE_FNS"]
+
+_c10d = torch.ops._c10d_functional
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+
+
+class _AllReduce(torch.autograd.Function):
+    """g: forward sums the ranks' partial results; backward passes the whole gradient through."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: forward identity into a sharded region; backward sums the ranks' partial gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _SyncGradPieces(torch.autograd.Function):
+    """f for a weight with replicated blocks: only those rows' gradients are partial sums."""
+
+    @staticmethod
+    def forward(ctx, w, dim, pieces, group):
+        ctx.dim, ctx.pieces, ctx.group = dim, pieces, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [grad.narrow(ctx.dim, s, e - s) for s, e in ctx.pieces]
+        summed = _all_reduce(torch.cat(parts, ctx.dim), ctx.group)
+        out, pos, offset = [], 0, 0
+        for (s, e), n in zip(ctx.pieces, [e - s for s, e in ctx.pieces]):
+            out += [grad.narrow(ctx.dim, pos, s - pos), summed.narrow(ctx.dim, offset, n)]
+            pos, offset = e, offset + n
+        out.append(grad.narrow(ctx.dim, pos, grad.shape[ctx.dim] - pos))
+        return torch.cat(out, ctx.dim), None, None, None
+
+
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Partial -> Replicate (Megatron g)."""
+    return _AllReduce.apply(x, group)
+
+
+def copy_to_region(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Replicate value entering a sharded region (Megatron f)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def sync_grad_pieces(w: torch.Tensor, dim: int, pieces: list, group: str) -> torch.Tensor:
+    """A weight whose ``pieces`` along ``dim`` are replicated on every rank inside a region."""
+    return _SyncGradPieces.apply(w, dim, pieces, group)
+
+
+def _gather(x: torch.Tensor, dim: int, width: int, index, group_size: int, group: str):
+    """All-gather shards along ``dim`` (zero-padded to ``width``) and put them in global order."""
+    moved = x.movedim(dim, 0)
+    if moved.shape[0] < width:
+        pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad])
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved.contiguous(), group_size, group))
+    if index is not None:
+        out = out.index_select(0, torch.tensor(index, device=out.device))
+    return out.movedim(0, dim)
+
+
+def _take(x: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """The given global ranges of ``dim``, concatenated."""
+    parts = [x.narrow(dim, s, e - s) for s, e in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+class _Gather(torch.autograd.Function):
+    """Shard -> Replicate; backward keeps this rank's slice of the (whole) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, keep, group_size, group):
+        ctx.dim, ctx.mine, ctx.keep = dim, mine, keep
+        return _gather(x, dim, width, index, group_size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = _take(grad, ctx.dim, ctx.mine)
+        if ctx.keep is not None:
+            shape = [1] * local.dim()
+            shape[ctx.dim] = -1
+            local = local * torch.tensor(ctx.keep, device=grad.device, dtype=grad.dtype).view(shape)
+        return local, None, None, None, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Partial -> Shard; backward all-gathers the shards' gradients (the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, group_size, group):
+        ctx.args = (dim, width, index, group_size, group)
+        return _take(_all_reduce(x, group), dim, mine)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, *ctx.args), None, None, None, None, None, None
+
+
+def all_gather(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
+               group: str) -> torch.Tensor:
+    """Shard -> Replicate along ``dim``.
+
+    ``width``: the largest local size (shards are zero-padded to it for the collective).
+    ``index``: global position -> position in the rank-major gathered buffer; None when the
+    shards are even, contiguous and disjoint. ``mine``: this rank's global ranges (its
+    backward slice). ``keep``: 0/1 per local position, so that an index held by several ranks
+    gets its gradient once; None when no index is shared.
+    """
+    return _Gather.apply(x, dim, width, index, mine, keep, group_size, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_size: int,
+                   group: str) -> torch.Tensor:
+    """Partial -> Shard along ``dim`` (arguments as for :func:`all_gather`)."""
+    return _ReduceScatter.apply(x, dim, width, index, mine, group_size, group)
+
+
+COLLECTIVE_FNS = {all_reduce: "all_reduce", copy_to_region: "copy_to_region",
+                  sync_grad_pieces: "sync_grad", all_gather: "all_gather",
+                  reduce_scatter: "reduce_scatter"}

@@ -1,0 +1,53 @@
+"""A visible pipeline of graph passes: run in order, linted, timed, and diffable one by one.
+
+Passes are plain callables ``GraphModule -> GraphModule`` paired with a name. The runner lints
+and recompiles after each, and turns any failure into a :class:`TPCompileError` that names the
+pass, the passes before it and (where the exception carries one) the node.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import fx
+
+from tpcompile.errors import TPCompileError
+
+__all__ = ["Pass", "PassRecord", "run_passes"]
+
+Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    before: str = field(repr=False, default="")
+    after: str = field(repr=False, default="")
+
+
+def run_passes(gm: fx.GraphModule, passes: list[Pass], record: bool = False):
+    """Run ``passes`` on ``gm``; returns ``(gm, records)`` with the code before/after each."""
+    records = []
+    for i, (name, fn) in enumerate(passes):
+        before = gm.code if record else ""
+        start = time.perf_counter()
+        try:
+            out = fn(gm)
+            assert isinstance(out, fx.GraphModule), f"pass returned {type(out).__name__}"
+            out.graph.lint()
+            out.recompile()
+        except TPCompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - wrapped with the pass context, cause kept
+            done = [n for n, _ in passes[:i]]
+            raise TPCompileError(
+                f"internal error in pass '{name}' (after {done}): {type(e).__name__}: {e}\n"
+                "  hint: this is a tpcompile bug; please report it with `tpcompile explain` "
+                "output for your model") from e
+        gm = out
+        records.append(PassRecord(name, time.perf_counter() - start, before,
+                                  gm.code if record else ""))
+    return gm, records

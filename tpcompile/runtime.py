@@ -1,0 +1,76 @@
+"""The module ``parallelize`` returns: the rewritten graph, its local shards, and its plan.
+
+``TPModule`` registers the rewritten GraphModule's submodules as its own, so parameter and
+buffer names (``state_dict`` keys, optimizer param groups) are exactly the original model's,
+while ``forward`` runs the rewritten graph. Local shards are ordinary ``nn.Parameter`` objects:
+any ``torch.optim`` optimizer works on them, and ``torch.compile`` traces straight through.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from tpcompile.placement import Shard
+from tpcompile.plan import ShardingPlan
+
+__all__ = ["TPModule", "gather_full"]
+
+
+class TPModule(nn.Module):
+    """A tensor-parallel module: this rank's shards plus the graph that uses them."""
+
+    def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group):
+        super().__init__()
+        for name, child in gm.named_children():
+            self.add_module(name, child)
+        for name, p in gm.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in gm.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
+        self.plan, self.rank, self.group = plan, rank, group
+
+    def forward(self, *args):
+        return self.graph_module(*args)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded state dict, gathered from every rank (a collective: call on all)."""
+        out = {}
+        for name, t in self.state_dict().items():
+            out[name] = gather_full(t, self._placement(name), self.plan, self.group)
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients of every parameter (a collective: call on all ranks)."""
+        return {name: gather_full(p.grad, self._placement(name), self.plan, self.group)
+                for name, p in self.named_parameters() if p.grad is not None}
+
+    def _placement(self, fqn: str):
+        for entry in self.plan.params.values():
+            if fqn == entry.name or fqn in entry.aliases:
+                return entry.placement
+        return None
+
+
+def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group) -> torch.Tensor:
+    """Reassemble a full tensor from every rank's shard (identity for replicated tensors)."""
+    if not isinstance(placement, Shard):
+        return local.detach().clone()
+    specs = plan.specs
+    ranges = specs.ranges(placement.layout)
+    width = max(sum(e - s for s, e in r) for r in ranges)
+    moved = local.detach().movedim(placement.dim, 0).contiguous()
+    if moved.shape[0] < width:
+        pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad])
+    parts = [torch.empty_like(moved) for _ in ranges]
+    dist.all_gather(parts, moved, group=group)
+    full = moved.new_empty((placement.layout.size,) + tuple(moved.shape[1:]))
+    for part, held in zip(parts, ranges):
+        pos = 0
+        for s, e in held:
+            full[s:e] = part[pos:pos + e - s]
+            pos += e - s
+    return full.movedim(0, placement.dim)
