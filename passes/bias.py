@@ -48,22 +48,19 @@ def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
             continue
         mm, b = node.args
-        if not (isinstance(mm, fx.Node) and isinstance(b, fx.Node) and len(mm.users) == 1):
+        if not (isinstance(mm, fx.Node) and isinstance(b, fx.Node) and len(mm.users) == 1
+                and b.op == "get_attr"):
             continue
         bias_val = b.meta.get("val")
         if not (isinstance(bias_val, torch.Tensor) and bias_val.dim() == 1):
             continue
         if mm.target is aten.linear.default and len(mm.args) == 2:
-            fused = (aten.linear.default, (mm.args[0], mm.args[1], b))
+            mm.args = (mm.args[0], mm.args[1], b)
         elif mm.target is aten.mm.default:
-            fused = (aten.addmm.default, (b, mm.args[0], mm.args[1]))
+            mm.target, mm.args = aten.addmm.default, (b, mm.args[0], mm.args[1])
         else:
             continue
-        with g.inserting_before(node):
-            new = g.call_function(*fused)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
+        node.replace_all_uses_with(mm)
         g.erase_node(node)
-        g.erase_node(mm)
     gm.recompile()
     return gm

@@ -109,7 +109,8 @@ class OpView:
     def maybe_column_parallel(self, operands, out_labels):
         """Start a column-parallel root at a parameter matmul with a replicated activation."""
         node = self.node
-        if node.target not in PARAM_MATMULS or node.name in self._no_column or "n" not in out_labels:
+        if (self.specs.world_size < 2 or node.target not in PARAM_MATMULS
+                or node.name in self._no_column or "n" not in out_labels):
             return None
         weights = [(arg, labels) for arg, labels in operands
                    if "n" in labels and self._trainable(arg)]

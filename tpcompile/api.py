@@ -29,7 +29,7 @@ from tpcompile.passes.materialize import materialize_params_pass
 from tpcompile.passes.plan_sharding import plan_sharding
 from tpcompile.runtime import TPModule
 
-__all__ = ["parallelize", "plan_model", "rewrite_passes", "resolve_group"]
+__all__ = ["parallelize", "plan_model", "rewrite", "rewrite_passes", "resolve_group"]
 
 
 def resolve_group(mesh=None):
@@ -69,6 +69,17 @@ def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]
         ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
         ("fuse_bias", fuse_bias_pass),
     ]
+
+
+def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
+            group_name: str = "tp", record: bool = False):
+    """Plan and rewrite one rank's graph without a process group (for inspection and tests).
+
+    Returns ``(gm, plan, records)``; the graph's collectives name ``group_name``.
+    """
+    cap, plan = plan_model(model, example_inputs, world_size)
+    gm, records = run_passes(cap.gm, rewrite_passes(plan, rank, group_name), record=record)
+    return gm, plan, records
 
 
 def _check_agreement(plan: ShardingPlan, group) -> None:

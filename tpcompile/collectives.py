@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "reduce_scatter",
-           "COLLECTIVE_FNS"]
+           "COLLECTIVE_FNS", "count_collectives"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -153,6 +153,22 @@ def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_siz
     return _ReduceScatter.apply(x, dim, width, index, mine, group_size, group)
 
 
-COLLECTIVE_FNS = {all_reduce: "all_reduce", copy_to_region: "copy_to_region",
-                  sync_grad_pieces: "sync_grad", all_gather: "all_gather",
-                  reduce_scatter: "reduce_scatter"}
+# what each inserted call costs: (forward collective, backward collective)
+COLLECTIVE_FNS = {
+    all_reduce: ("all_reduce", None),
+    copy_to_region: (None, "all_reduce"),
+    sync_grad_pieces: (None, "all_reduce"),
+    all_gather: ("all_gather", None),
+    reduce_scatter: ("reduce_scatter", "all_gather"),
+}
+
+
+def count_collectives(gm) -> dict[str, dict[str, int]]:
+    """Collectives one forward and one backward of a rewritten graph issue, by kind."""
+    counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVE_FNS:
+            for phase, kind in zip(("forward", "backward"), COLLECTIVE_FNS[node.target]):
+                if kind is not None:
+                    counts[phase][kind] = counts[phase].get(kind, 0) + 1
+    return counts

@@ -1,0 +1,144 @@
+"""Rank-side test bodies. The launcher imports this file by path in each spawned rank.
+
+Each worker runs many cases in one process group and returns plain data per case (errors are
+returned as strings, not raised), so that one spawn serves a whole parametrized test module.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import torch
+from torch import nn
+
+import tpcompile
+from tpcompile import models
+from tpcompile.check import compare
+
+class SincAttention(nn.Module):
+    """Explicit attention with an op tpcompile has no rule for on the head-sharded scores."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = torch.sinc(q @ k.transpose(-2, -1) / math.sqrt(C // self.heads))
+        y = att.softmax(-1) @ v
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+# name -> (built-in model name or a module class, config overrides)
+CASES = {
+    "mlp": ("mlp", {}),
+    "gpt2": ("gpt2", {}),
+    "gpt2_explicit_attention": ("gpt2", {"sdpa": False}),
+    "llama": ("llama", {}),
+    "llama_explicit_attention": ("llama", {"sdpa": False}),
+    # indivisible everything: 6 heads of 8, 2 kv heads, hidden 100, vocab 97
+    "llama_uneven": ("llama", {"dim": 48, "n_heads": 6, "n_kv_heads": 2, "hidden": 100, "vocab": 97}),
+    "mlp_uneven": ("mlp", {"dim": 20, "hidden": 30}),
+    # the scores go through an op without a sharding rule: gathered there, still exact
+    "unknown_op_fallback": (SincAttention, {}),
+}
+
+
+def _run_case(name: str) -> dict:
+    model_name, overrides = CASES[name]
+    if isinstance(model_name, str):
+        model = models.build(model_name, **overrides)
+        inputs = models.example_inputs(model)
+    else:
+        torch.manual_seed(0)
+        model = model_name(**overrides)
+        inputs = (torch.randn(2, 8, model.cfg.dim),)
+    tp = tpcompile.parallelize(model, inputs)
+    result = compare(model, tp, inputs, steps=3)
+    return {
+        "output_err": result.output_err,
+        "grad_errs": result.grad_errs,
+        "step_errs": result.step_errs,
+        "collectives": result.collectives,
+        "styles": tp.plan.styles(),
+        "local_shapes": {n: tuple(p.shape) for n, p in tp.named_parameters()},
+        "n_layers": model.cfg.n_layers,
+        "fallbacks": tp.plan.fallbacks,
+    }
+
+
+def numerics(rank: int, world_size: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        try:
+            out[name] = _run_case(name)
+        except Exception:  # noqa: BLE001 - reported per case by the test
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def dynamic_shapes(rank: int, world_size: int) -> dict:
+    """One parallelized module called with other batch sizes and sequence lengths."""
+    model = models.build("llama")
+    tp = tpcompile.parallelize(model, models.example_inputs(model, batch=2, seq=16))
+    errs = {}
+    for batch, seq in [(2, 16), (3, 16), (2, 24), (3, 24), (1, 5)]:
+        x = models.example_inputs(model, batch=batch, seq=seq, seed=batch * 100 + seq)
+        errs[(batch, seq)] = (tp(*x) - model(*x)).abs().max().item() / model(*x).abs().max().item()
+    return errs
+
+
+def plan_mismatch(rank: int, world_size: int) -> str:
+    """Rank 1 builds a different model: every rank must raise before any model collective."""
+    model = models.build("mlp", hidden=128 if rank == 0 else 96)
+    try:
+        tpcompile.parallelize(model, models.example_inputs(model))
+    except tpcompile.PlanMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def mesh_checks(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = models.build("mlp")
+    inputs = models.example_inputs(model)
+    out = {}
+    mesh = init_device_mesh("cpu", (world_size,))
+    tp = tpcompile.parallelize(model, inputs, mesh=mesh)
+    out["mesh_1d_err"] = (tp(*inputs) - model(*inputs)).abs().max().item()
+    try:
+        tpcompile.parallelize(model, inputs, mesh=init_device_mesh("cpu", (2, world_size // 2)))
+        out["mesh_2d"] = "no error"
+    except tpcompile.MeshError as e:
+        out["mesh_2d"] = str(e)
+    return out
+
+
+def world_size_one(rank: int, world_size: int) -> dict:
+    model = models.build("llama")
+    inputs = models.example_inputs(model)
+    tp = tpcompile.parallelize(model, inputs)
+    return {"styles": set(tp.plan.styles().values()),
+            "collectives": compare(model, tp, inputs).collectives,
+            "err": (tp(*inputs) - model(*inputs)).abs().max().item()}
+
+
+def untouched_model(rank: int, world_size: int) -> dict:
+    """parallelize leaves the model as it was and shares no storage with it."""
+    model = models.build("gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ptrs = {t.data_ptr() for t in model.state_dict().values()}
+    tp = tpcompile.parallelize(model, models.example_inputs(model))
+    x = models.example_inputs(model)
+    tp(*x).sum().backward()
+    torch.optim.SGD(tp.parameters(), lr=0.1).step()
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    shared = [n for n, t in tp.state_dict().items() if t.data_ptr() in ptrs]
+    return {"changed": changed, "shared": shared, "keys_equal": set(tp.state_dict()) == set(before)}

@@ -1,0 +1,22 @@
+"""Test helpers importable from every test file (``pythonpath = ["tests"]`` in pyproject).
+
+The rank-side bodies live in ``gloo/workers.py``, which spawned ranks import by file path; this
+module loads the same file so tests can parametrize over its case table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from tpcompile.launch import run_on_ranks
+
+WORKERS_PATH = str(Path(__file__).parent / "gloo" / "workers.py")
+_spec = importlib.util.spec_from_file_location("tpcompile_test_workers", WORKERS_PATH)
+workers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(workers)
+
+
+def launch(function: str, world_size: int, *args, timeout: float = 600.0) -> list:
+    """Run ``workers.<function>(rank, world_size, *args)`` on gloo ranks; per-rank results."""
+    return run_on_ranks(f"{WORKERS_PATH}:{function}", world_size, *args, timeout=timeout)

@@ -1,0 +1,50 @@
+"""Capture errors name the construct and the way out; meta example inputs are accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tpcompile import CaptureError, models
+from tpcompile.capture import capture
+
+
+class DataDependentIf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # the line the error must name
+            return self.fc(x)
+        return x
+
+
+def test_data_dependent_python_if_is_named():
+    with pytest.raises(CaptureError) as e:
+        capture(DataDependentIf(), (torch.randn(2, 4),))
+    msg = str(e.value)
+    assert "data-dependent control flow" in msg
+    assert "if x.sum() > 0" in msg and "test_capture.py" in msg
+    assert "torch.cond" in msg
+
+
+def test_inputs_must_be_a_tuple():
+    with pytest.raises(CaptureError, match="tuple of tensors"):
+        capture(models.build("mlp"), {"x": torch.randn(2, 3, 64)})
+
+
+def test_meta_example_inputs_and_fqns():
+    model = models.build("gpt2")
+    cap = capture(model, (torch.empty(2, 16, dtype=torch.long, device="meta"),))
+    assert "blocks.0.attn.c_attn.weight" in cap.params
+    # tied weights: one tensor, both names
+    assert set(cap.aliases["lm_head.weight"]) == {"wte.weight", "lm_head.weight"}
+
+
+def test_parallelize_without_a_process_group_is_a_clear_error():
+    import tpcompile
+
+    with pytest.raises(tpcompile.MeshError, match="init_process_group"):
+        tpcompile.parallelize(models.build("mlp"), models.example_inputs(models.build("mlp")))

@@ -1,0 +1,65 @@
+"""Layouts: exact per-rank ranges for even, uneven, head-aligned, blockwise and grouped shards."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpcompile.placement import Demand, Layout, Misaligned, RootSpec, Specs, positions
+
+
+def specs(size, ws, *demands, name="w"):
+    return Specs(ws, {name: RootSpec.build(name, size, ws, list(demands))})
+
+
+def test_even_split():
+    s = specs(8, 2)
+    assert s.ranges(Layout("w", 8)) == (((0, 4),), ((4, 8),))
+
+
+def test_uneven_split_gives_first_ranks_one_more():
+    s = specs(11008, 3)
+    sizes = [s.local_size(Layout("w", 11008), r) for r in range(3)]
+    assert sizes == [3670, 3669, 3669]
+
+
+def test_head_units_keep_heads_whole():
+    # 6 heads of 8 over 4 ranks: 2, 2, 1, 1 heads
+    s = specs(48, 4, Demand("w", 0, 48, 8))
+    assert [s.local_size(Layout("w", 48), r) for r in range(4)] == [16, 16, 8, 8]
+    heads = Layout("w", 6, scale=8)
+    assert s.ranges(heads) == (((0, 2),), ((2, 4),), ((4, 5),), ((5, 6),))
+
+
+def test_misaligned_view_demands_units():
+    s = specs(48, 4)  # 12 each: cuts through heads of 8
+    with pytest.raises(Misaligned) as e:
+        s.ranges(Layout("w", 6, scale=8))
+    assert e.value.demand == Demand("w", 0, 48, 8, reason=e.value.demand.reason)
+
+
+def test_fused_qkv_blocks_are_split_each():
+    s = specs(24, 2, Demand("w", 0, 8), Demand("w", 8, 16), Demand("w", 16, 24))
+    assert s.ranges(Layout("w", 24)) == (((0, 4), (8, 12), (16, 20)), ((4, 8), (12, 16), (20, 24)))
+    assert s.ranges(Layout("w", 8, offset=8)) == (((0, 4),), ((4, 8),))
+
+
+def test_blocks_with_fewer_units_than_ranks_are_replicated():
+    s = specs(16, 4, Demand("w", 0, 16, 8))  # 2 kv heads, 4 ranks
+    assert s.is_full(Layout("w", 16))
+    assert s.overlaps(Layout("w", 16))
+
+
+def test_grouped_heads_repeat_their_kv_head():
+    s = specs(16, 2, Demand("w", 0, 16, 8))  # 2 kv heads of 8 over 2 ranks
+    grouped = Layout("w", 8, scale=8, rep=4)  # expanded to 8 query heads
+    assert s.ranges(grouped) == (((0, 4),), ((4, 8),))
+
+
+def test_contains_and_positions():
+    s = specs(16, 4, Demand("w", 0, 16, 8))
+    full = Layout("w", 16)
+    q = Specs(4, {"q": RootSpec.build("q", 16, 4, [])})
+    s.roots.update(q.roots)
+    assert s.contains(full, Layout("q", 16))
+    assert positions(((0, 16),), ((4, 8),)) == [(4, 8)]
+    assert positions(((4, 8), (12, 16)), ((12, 14),)) == [(4, 6)]

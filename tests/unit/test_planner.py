@@ -1,0 +1,123 @@
+"""Plans of the built-in models, computed without any process group."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tpcompile import ShardingPlan, models
+from tpcompile.api import plan_model
+from tpcompile.placement import Replicate, Shard
+
+
+def plan_for(name, ws, **overrides):
+    model = models.build(name, **overrides)
+    return plan_model(model, models.example_inputs(model), ws)[1]
+
+
+def all_reduces(plan):
+    return [c for c in plan.conversions if c.kind == "all_reduce"]
+
+
+@pytest.mark.parametrize("ws", [2, 4, 8])
+def test_mlp_is_column_then_row(ws):
+    plan = plan_for("mlp", ws)
+    styles = plan.styles()
+    assert styles["blocks.0.fc1.weight"] == styles["blocks.0.fc1.bias"] == "colwise"
+    assert styles["blocks.0.fc2.weight"] == "rowwise"
+    assert styles["blocks.0.fc2.bias"] == styles["blocks.0.norm.weight"] == "replicate"
+    assert len(all_reduces(plan)) == 2  # one per block
+    # the row-parallel bias is added once, after the all-reduce
+    (ar,) = [c for c in all_reduces(plan) if c.value.startswith("linear_1")]
+    assert ar.user == "linear_1_bias"
+
+
+def test_gpt2_fused_qkv_is_sharded_per_chunk():
+    plan = plan_for("gpt2", 2)
+    p = plan.params["blocks.0.attn.c_attn.weight"]
+    assert p.style == "colwise" and p.local_shapes[0] == (96, 64)
+    ranges = plan.specs.ranges(p.placement.layout)
+    assert ranges[0] == ((0, 32), (64, 96), (128, 160))  # q, k, v halves, not rows 0..95
+    assert plan.styles()["blocks.0.attn.c_proj.weight"] == "rowwise"
+    assert plan.styles()["lm_head.weight"] == "replicate"  # tied with the embedding
+
+
+@pytest.mark.parametrize("ws,kv_style", [(2, "colwise"), (4, "replicate"), (8, "replicate")])
+def test_llama_gqa(ws, kv_style):
+    plan = plan_for("llama", ws)
+    styles = plan.styles()
+    assert styles["layers.0.attention.wq.weight"] == "colwise"
+    assert styles["layers.0.attention.wk.weight"] == kv_style
+    assert styles["layers.0.attention.wo.weight"] == "rowwise"
+    wk = plan.params["layers.0.attention.wk.weight"]
+    assert wk.grad_sync == (kv_style == "replicate")
+    q_local = plan.params["layers.0.attention.wq.weight"].local_shapes[0][0]
+    assert q_local == 64 // ws
+
+
+def test_lm_head_stays_replicated_with_a_reason():
+    plan = plan_for("llama", 2)
+    assert plan.styles()["output.weight"] == "replicate"
+    assert "all-gathered" in plan.replicated["linear_14"]
+    assert "output.weight" in str(plan)
+
+
+def test_plan_is_json_and_deterministic():
+    a, b = plan_for("llama", 4), plan_for("llama", 4)
+    assert a.to_json() == b.to_json()
+    again = ShardingPlan.from_json(a.to_json())
+    assert again.to_json() == a.to_json()
+    assert again.specs.ranges(again.params["layers.0.attention.wq.weight"].placement.layout) == \
+        a.specs.ranges(a.params["layers.0.attention.wq.weight"].placement.layout)
+
+
+class SincAttention(nn.Module):
+    """Explicit attention with an op the rule table does not know on the sharded scores."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = torch.sinc(q @ k.transpose(-2, -1) / math.sqrt(C // self.heads))
+        y = att.softmax(-1) @ v
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_unknown_op_on_sharded_data_is_gathered_and_reported():
+    model = SincAttention()
+    _, plan = plan_model(model, (torch.randn(2, 8, 32),), 2)
+    assert plan.styles()["qkv.weight"] == "colwise"
+    assert plan.styles()["proj.weight"] == "rowwise"
+    assert "sinc" in plan.fallbacks and "no sharding rule" in plan.fallbacks["sinc"]
+    assert "fallback: sinc" in str(plan)
+    gathers = [c for c in plan.conversions if c.kind == "all_gather"]
+    assert [c.user for c in gathers] == ["sinc"]
+
+
+def test_unknown_op_between_matmuls_keeps_the_chain_replicated():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc2(torch.sinc(self.fc1(x)))
+
+    _, plan = plan_model(Odd(), (torch.randn(4, 16),), 2)
+    assert set(plan.styles().values()) == {"replicate"}
+    assert plan.replicated  # and explain says why
+
+
+def test_placements_are_recorded_per_node():
+    plan = plan_for("llama", 2)
+    assert isinstance(plan.placement("linear"), Shard)  # wq output
+    assert isinstance(plan.placement("embedding"), Replicate)
