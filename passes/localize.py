@@ -1,9 +1,10 @@
-"""Localize: rewrite the shape constants a shard changes, on one rank's copy of the graph.
+"""Localize: turn each op into its per-rank form, on one rank's copy of the graph.
 
 Export bakes sizes into the graph (``view(s0, s1, 8, 16)``, ``split(64)``,
 ``expand(s0, 2, 4, s1, 16)``). Once a dim is sharded, each rank must use its own local size
-there. Which args to rewrite is the rule table's business (each rule's ``localize``); this pass
-supplies the per-rank sizes and does the graph edits.
+there. Ops over a sharded vocabulary become their vocabulary-parallel versions (a masked
+lookup, a loss that never gathers the logits). What to rewrite is the rule table's business
+(each rule's ``localize``); this pass supplies the rank's sizes and ranges and does the edits.
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ from tpcompile.plan import ShardingPlan
 from tpcompile.passes.dims import norm_dim, shape
 from tpcompile.passes.rules import rule_for
 
-__all__ = ["localize_shapes_pass"]
+__all__ = ["localize_pass"]
 
 
 class LocalView:
     """What a rule's ``localize`` sees: the plan's placements as sizes on one rank."""
 
-    def __init__(self, plan: ShardingPlan, rank: int):
-        self.plan, self.rank, self.specs = plan, rank, plan.specs
-        self.consumed = {(c.value, c.user): c.dst for c in plan.conversions}
+    def __init__(self, plan: ShardingPlan, rank: int, group: str):
+        self.plan, self.rank, self.group, self.specs = plan, rank, group, plan.specs
+        self._converted = {(c.value, c.user): c.dst for c in plan.conversions}
+
+    def consumed(self, value: fx.Node, user: fx.Node):
+        """The placement ``user`` reads ``value`` in (after the plan's conversion, if any)."""
+        return self._converted.get((value.name, user.name), self.plan.placement(value.name))
 
     def out_placements(self, node: fx.Node) -> list:
         p = self.plan.placement(node.name)
@@ -38,7 +43,7 @@ class LocalView:
 
     def input_sharded_on(self, node: fx.Node, dim: int) -> bool:
         x = node.args[0]
-        p = self.consumed.get((x.name, node.name), self.plan.placement(x.name))
+        p = self.consumed(x, node)
         return isinstance(p, Shard) and p.dim == norm_dim(dim, len(shape(x)))
 
     def set_arg(self, node: fx.Node, index: int, value) -> None:
@@ -50,8 +55,8 @@ class LocalView:
         node.target, node.args = target, tuple(args)
 
 
-def localize_shapes_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int) -> fx.GraphModule:
-    local = LocalView(plan, rank)
+def localize_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str) -> fx.GraphModule:
+    local = LocalView(plan, rank, group)
     for node in gm.graph.nodes:
         rule = rule_for(node)
         if rule is not None and rule.localize is not None and node.name in plan.placements:

@@ -6,8 +6,16 @@
    output, or grouped-query heads meeting their query groups each say how a root must be cut
    (whole heads, per-chunk blocks, whole groups). They are added and propagation reruns.
 2. *Regions*: roots that meet in one op (q and k in an attention, w1 and w3 in SwiGLU) form a
-   region. A region that never reaches a row-parallel matmul would only ever be gathered again
-   (an LM head, a classifier), so its matmuls are kept replicated and propagation reruns.
+   region. A region must end where sharded data turns into a partial sum or a replicated
+   result by itself (a row-parallel matmul, a vocabulary-parallel loss or embedding). A
+   region that never does, or that leaks sharded data into ops needing whole rows (a norm over
+   features, a gathered graph output), is killed: its roots stay replicated, propagation reruns.
+3. *Tied tables*: a weight sharded by a column-parallel LM head that an embedding also reads
+   makes that embedding vocabulary-parallel too, so the table is sharded once. *Early
+   reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
+
+Refinements that change propagation (1, 3) are settled before regions are judged (2), since
+a killed root stays killed.
 
 Then parameters whose every use wants the same shard are sharded themselves (instead of being
 sliced at each use), and replicated values whose gradient arrives as per-rank partial sums are
@@ -25,9 +33,11 @@ from torch import fx
 from tpcompile.capture import Capture
 from tpcompile.errors import TPCompileError
 from tpcompile.placement import Partial, Replicate, Shard, Specs
-from tpcompile.plan import Conversion, ParamPlan, ShardingPlan
+from tpcompile.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.dims import shape, val
-from tpcompile.passes.propagate import PARAM_MATMULS, Propagation, _same, propagate
+from tpcompile.passes.propagate import (
+    PARAM_MATMULS, Constraints, Propagation, _same, propagate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +46,31 @@ __all__ = ["plan_sharding"]
 MAX_ROUNDS = 64
 
 
-def plan_sharding(cap: Capture, world_size: int) -> ShardingPlan:
-    """Choose column / row / replicated placements for every weight of ``cap.gm``."""
+def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOptions()) -> ShardingPlan:
+    """Choose column / row / vocabulary / replicated placements for every weight of ``cap.gm``."""
     if world_size < 1:
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
-    no_column: dict[str, str] = {}
-    demands: list = []
+    constraints = Constraints(cap.params, options)
     for _ in range(MAX_ROUNDS):
-        state = propagate(gm, world_size, cap.params, set(no_column), demands)
-        fresh = [d for d in state.demands if d not in demands]
+        state = propagate(gm, world_size, constraints)
+        fresh = [d for d in state.demands if d not in constraints.demands]
         if fresh:
-            demands.extend(fresh)
+            constraints.demands.extend(fresh)
             continue
-        dead = _dead_regions(gm, state)
+        tied = _tables_to_follow(gm, state) - constraints.tied
+        early = _mixed_partials(state) - constraints.reduce_early
+        if tied or early:
+            constraints.tied |= tied
+            constraints.reduce_early |= early
+            continue
+        dead = _dead_regions(state, options)
         if not dead:
             break
-        no_column.update(dead)
+        constraints.killed.update(dead)
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
-    return _freeze(cap, state, no_column, world_size)
+    return _freeze(cap, state, constraints, world_size)
 
 
 def _consumed(state: Propagation, value: fx.Node, user: fx.Node):
@@ -63,35 +78,68 @@ def _consumed(state: Propagation, value: fx.Node, user: fx.Node):
     return state.conversions.get((value, user), state.placements.get(value))
 
 
-def _dead_regions(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
+    """Roots of regions with no proper exit, or that leak sharded data: root -> why."""
     regions = nx.Graph()
     regions.add_nodes_from(state.roots)
     regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
-    exits: dict[str, list[str]] = {}
+    exits, leaks = set(), {}
     for node, placement in state.placements.items():
-        if not isinstance(placement, Partial):
+        if placement is None or isinstance(placement, (Shard, list, tuple)):
             continue
-        for arg in node.all_input_nodes:
+        for arg in node.all_input_nodes:  # sharded in, partial or replicated out: an exit
             p = _consumed(state, arg, node)
             if isinstance(p, Shard):
-                exits.setdefault(p.layout.root, []).append(node.name)
-    gathers = {}
+                exits.add(p.layout.root)
     for (value, user), dst in state.conversions.items():
         src = state.placements.get(value)
         if isinstance(src, Shard) and not isinstance(dst, Shard) and user.name not in state.fallbacks:
             # a rule that needs the whole dim (a norm over features, the graph output): the
             # region leaks into replicated code and would gather there on every step
-            gathers.setdefault(src.layout.root, user.name)
+            leaks.setdefault(src.layout.root, user.name)
+    if options.loss_parallel:  # sharded logits handed to the user are an exit too
+        exits |= {p.layout.root for a in state.output.all_input_nodes
+                  if isinstance(p := _consumed(state, a, state.output), Shard)}
     dead = {}
     for component in nx.connected_components(regions):
-        leak = next((gathers[r] for r in sorted(component) if r in gathers), None)
-        if leak is None and any(root in exits for root in component):
+        leak = next((leaks[r] for r in sorted(component) if r in leaks), None)
+        if leak is None and component & exits:
             continue
-        why = (f"its sharded output would be all-gathered at {leak}" if leak is not None
-               else "no row-parallel consumer: its sharded output would be all-gathered")
-        for root in sorted(component):
-            dead[state.roots[root].name] = why
+        users = sorted({u.name for r in component for u in state.root_users.get(r, ())})
+        why = (f"sharding it ({', '.join(users)}) would all-gather at {leak}" if leak is not None
+               else f"sharding it ({', '.join(users)}) never reaches a row-parallel consumer")
+        for root in component:
+            dead[root] = why
     return dead
+
+
+def _mixed_partials(state: Propagation) -> set[str]:
+    """Partial sums some consumer reduces while others carry them on partially.
+
+    Once the all-reduce is paid for one consumer, every consumer should read its result;
+    carrying the partial sum further (through the norm's ``x * rsqrt(...)`` into q/k/v, say)
+    would only need more all-reduces later.
+    """
+    out = set()
+    for node, p in state.placements.items():
+        if not isinstance(p, Partial):
+            continue
+        reads = [_consumed(state, node, u) for u in node.users]
+        if any(isinstance(r, Replicate) for r in reads) and any(isinstance(r, Partial) for r in reads):
+            out.add(node.name)
+    return out
+
+
+def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
+    """Roots whose weight an embedding still reads whole: that embedding should shard it too."""
+    out = set()
+    for root in state.roots:
+        w = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == root), None)
+        for user in (w.users if w is not None else ()):
+            if user.target is torch.ops.aten.embedding.default and not isinstance(
+                    _consumed(state, w, user), Shard):
+                out.add(root)
+    return out
 
 
 def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
@@ -147,6 +195,8 @@ def _style(node: fx.Node, state: Propagation) -> str:
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
+    if any(u.target is torch.ops.aten.embedding.default for u in node.users):
+        return "vocab"
     if any(isinstance(state.placements.get(u), Partial) for u in node.users):
         return "rowwise"
     return "colwise"
@@ -159,29 +209,29 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
     return tuple(s)
 
 
-def _replicated_reason(node: fx.Node, no_column: dict[str, str], cap: Capture) -> str:
+def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture) -> str:
     users = list(node.users)
     if node.target not in cap.params:
         return "buffer"
+    if node.target in killed:
+        return killed[node.target]
     if len(users) > 1:
         return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
     user = users[0] if users else None
-    if user is not None and user.name in no_column:
-        return no_column[user.name]
     if user is not None and user.target in PARAM_MATMULS:
         return "its matmul's input is not sharded on a dim it can split"
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
 
 
-def _freeze(cap: Capture, state: Propagation, no_column: dict[str, str], ws: int) -> ShardingPlan:
+def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int) -> ShardingPlan:
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
     syncs = _grad_syncs(gm, state, _needs_grad(gm, cap.params))
     params = {}
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or not isinstance(val(node), torch.Tensor):
-            continue
+        if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
+            continue  # an unused get_attr is a tied alias export keeps: the used one speaks for it
         p = state.placements[node]
         style = _style(node, state)
         overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
@@ -190,7 +240,7 @@ def _freeze(cap: Capture, state: Propagation, no_column: dict[str, str], ws: int
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
         elif style == "replicate":
-            reason = _replicated_reason(node, no_column, cap)
+            reason = _replicated_reason(node, constraints.killed, cap)
         else:
             user = next(iter(node.users))
             reason = f"{style} in {user.name}" + (
@@ -205,6 +255,7 @@ def _freeze(cap: Capture, state: Propagation, no_column: dict[str, str], ws: int
         Conversion(value.name, user.name, state.placements.get(value), dst)
         for (value, user), dst in state.conversions.items())
     used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
+    outputs = tuple(_consumed(state, a, state.output) for a in state.output.all_input_nodes)
     return ShardingPlan(
         world_size=ws, params=params,
         placements={n.name: p for n, p in state.placements.items() if p is not None},
@@ -212,7 +263,9 @@ def _freeze(cap: Capture, state: Propagation, no_column: dict[str, str], ws: int
         grad_syncs=tuple(syncs),
         roots={k: v for k, v in specs.roots.items() if k in used_roots},
         fallbacks=dict(state.fallbacks),
-        replicated={k: v for k, v in no_column.items()},
+        replicated=dict(constraints.killed),
+        options=constraints.options,
+        outputs=outputs,
     )
 
 

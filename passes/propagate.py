@@ -6,10 +6,11 @@ the conversions (gathers, all-reduces, local slices) consumers need. The planner
 (:mod:`tpcompile.passes.plan_sharding`) calls it repeatedly while it refines those inputs.
 
 Column parallelism is decided here, locally: a matmul whose activation is replicated and whose
-weight is a trainable parameter used nowhere else shards that weight's output features (a new
-*root*); a matmul whose activation arrives sharded on the contracted dim shards its weight's
-input features to match (row parallel) and produces a Partial sum. Chains therefore alternate
-column -> row exactly as Megatron's do, whatever the modules are called.
+weight is a trainable parameter shards that weight's output features (a new *root*, named by
+the weight); a matmul whose activation arrives sharded on the contracted dim shards its
+weight's input features to match (row parallel) and produces a Partial sum. Chains therefore
+alternate column -> row exactly as Megatron's do, whatever the modules are called. The
+planner's accumulated decisions arrive as :class:`Constraints`.
 """
 
 from __future__ import annotations
@@ -21,15 +22,28 @@ import torch
 from torch import fx
 
 from tpcompile.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
+from tpcompile.plan import PlanOptions
 from tpcompile.passes.dims import shape, val
 from tpcompile.passes.rules import rule_for
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["Propagation", "propagate", "PARAM_MATMULS"]
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "PARAM_MATMULS"]
 
 PARAM_MATMULS = (aten.linear.default, aten.mm.default, aten.matmul.default)
+
+
+@dataclass
+class Constraints:
+    """What the planner has learnt so far; each propagation round reads it."""
+
+    params: frozenset[str]                                  # trainable parameter targets
+    options: PlanOptions = PlanOptions()
+    killed: dict[str, str] = field(default_factory=dict)    # root -> why it stays whole
+    demands: list[Demand] = field(default_factory=list)
+    tied: set[str] = field(default_factory=set)             # roots embeddings must follow
+    reduce_early: set[str] = field(default_factory=set)     # partial sums every consumer reads reduced
 
 
 @dataclass
@@ -40,7 +54,9 @@ class Propagation:
     demands: list[Demand] = field(default_factory=list)
     fallbacks: dict[str, str] = field(default_factory=dict)
     links: list[tuple[str, str]] = field(default_factory=list)  # roots that meet in one op
+    root_users: dict[str, set] = field(default_factory=dict)    # root -> ops that shard it
     specs: Specs | None = None
+    output: fx.Node | None = None
 
 
 def _is_tensor(arg) -> bool:
@@ -50,23 +66,35 @@ def _is_tensor(arg) -> bool:
 class OpView:
     """What a rule sees of one node: input placements, and a way to ask for conversions."""
 
-    def __init__(self, node, state: Propagation, specs: Specs, trainable, no_column, demands):
+    def __init__(self, node, state: Propagation, specs: Specs, constraints: Constraints):
         self.node, self._state, self.specs = node, state, specs
-        self._trainable, self._no_column, self._demands = trainable, no_column, demands
+        self.constraints = constraints
+        self.options = constraints.options
+        self._demands = constraints.demands
         self.required: dict[fx.Node, object] = {}
 
     def is_tensor(self, arg) -> bool:
         return _is_tensor(arg)
 
     def placement(self, arg):
-        """The placement ``arg`` is produced in (a list for multi-output ops); R for constants."""
+        """The placement the op reads ``arg`` in (a list for multi-output ops); R for constants.
+
+        A partial sum the planner decided to reduce early reads as replicated everywhere.
+        """
+        p = self._produced(arg)
+        if isinstance(p, Partial) and arg.name in self.constraints.reduce_early:
+            self.required.setdefault(arg, Replicate())
+            return Replicate()
+        return p
+
+    def _produced(self, arg):
         p = self._state.placements.get(arg) if isinstance(arg, fx.Node) else None
         return Replicate() if p is None else p
 
     def require(self, arg, placement) -> None:
         if not _is_tensor(arg):
             return
-        if not _same(self.specs, self.placement(arg), placement):
+        if not _same(self.specs, self._produced(arg), placement):
             self.required[arg] = placement
         else:
             self.required.pop(arg, None)
@@ -108,30 +136,41 @@ class OpView:
 
     def maybe_column_parallel(self, operands, out_labels):
         """Start a column-parallel root at a parameter matmul with a replicated activation."""
-        node = self.node
-        if (self.specs.world_size < 2 or node.target not in PARAM_MATMULS
-                or node.name in self._no_column or "n" not in out_labels):
+        if self.node.target not in PARAM_MATMULS or "n" not in out_labels:
             return None
         weights = [(arg, labels) for arg, labels in operands
-                   if "n" in labels and self._trainable(arg)]
+                   if "n" in labels and self.is_param(arg)]
         if len(weights) != 1:
             return None
         w, labels = weights[0]
-        dim = labels.index("n")
-        size = int(shape(w)[dim])
-        if size < self.specs.world_size:
+        layout = self.root_layout(w, labels.index("n"))
+        if layout is None:
             return None
-        name = w.target
-        if name not in self.specs.roots:
-            mine = [d for d in self._demands if d.root == name]
-            self.specs.roots[name] = RootSpec.build(name, size, self.specs.world_size, mine)
-        self._state.roots[name] = node
-        layout = Layout(name, size)
-        self.require(w, Shard(dim, layout))
+        self.require(w, Shard(labels.index("n"), layout))
         for arg, lab in operands:
             if arg is not w and "n" in lab:  # a bias over the same features
                 self.require(arg, Shard(lab.index("n"), layout))
         return Shard(out_labels.index("n"), layout)
+
+    def is_param(self, arg) -> bool:
+        return isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in self.constraints.params
+
+    def root_layout(self, w: fx.Node, dim: int) -> Layout | None:
+        """The layout of parameter ``w`` split along ``dim`` as a root, or None if it may not be.
+
+        A weight used by several ops (tied embeddings, shared layers) names one root, so every
+        use that shards it agrees on the same cut.
+        """
+        size = int(shape(w)[dim])
+        name = w.target
+        if self.specs.world_size < 2 or size < self.specs.world_size or name in self.constraints.killed:
+            return None
+        if name not in self.specs.roots:
+            mine = [d for d in self._demands if d.root == name]
+            self.specs.roots[name] = RootSpec.build(name, size, self.specs.world_size, mine)
+        self._state.roots.setdefault(name, self.node)
+        self._state.root_users.setdefault(name, set()).add(self.node)
+        return Layout(name, size)
 
 
 def _same(specs: Specs, a, b) -> bool:
@@ -140,42 +179,35 @@ def _same(specs: Specs, a, b) -> bool:
     return type(a) is type(b) and not isinstance(a, Shard)
 
 
-def _trainable_single_use(params: frozenset[str]):
-    def check(arg) -> bool:
-        return (isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in params
-                and len(arg.users) == 1)
-    return check
-
-
-def propagate(gm: fx.GraphModule, world_size: int, params: frozenset[str],
-              no_column: set[str] = frozenset(), demands: list[Demand] = ()) -> Propagation:
-    """Placements of every node when matmuls outside ``no_column`` may go column-parallel."""
+def propagate(gm: fx.GraphModule, world_size: int, constraints: Constraints) -> Propagation:
+    """Placements of every node under the planner's current ``constraints``."""
     state = Propagation()
     specs = Specs(world_size)
     state.specs = specs
-    trainable = _trainable_single_use(params)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             state.placements[node] = Replicate() if _is_tensor(node) else None
             continue
         if node.op == "output":
-            op = OpView(node, state, specs, trainable, no_column, demands)
+            state.output = node
+            op = OpView(node, state, specs, constraints)
             for arg in node.all_input_nodes:
-                op.require(arg, Replicate())
+                keep = constraints.options.loss_parallel and isinstance(op.placement(arg), Shard)
+                if not keep:  # outputs are replicated unless sharded logits were asked for
+                    op.require(arg, Replicate())
             _record(state, node, op.required)
             continue
-        out = _visit(node, state, specs, trainable, no_column, demands)
-        state.placements[node] = out
+        state.placements[node] = _visit(node, state, specs, constraints)
     return state
 
 
-def _visit(node, state, specs, trainable, no_column, demands):
+def _visit(node, state, specs, constraints):
     tensor_out = isinstance(val(node), (torch.Tensor, list, tuple))
     inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
     distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
     rule = rule_for(node)
-    op = OpView(node, state, specs, trainable, no_column, demands)
-    if rule is not None and tensor_out:
+    op = OpView(node, state, specs, constraints)
+    if rule is not None:
         try:
             out = rule.propagate(op)
             _record(state, node, op.required)
@@ -186,9 +218,11 @@ def _visit(node, state, specs, trainable, no_column, demands):
         except Exception as e:  # noqa: BLE001 - a rule that cannot follow an op replicates it
             log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
             reason = f"sharding rule failed: {type(e).__name__}: {e}"
+    elif not tensor_out:
+        return None  # sizes (sym_size of dynamic dims), asserts: nothing to place or convert
     else:
         reason = f"no sharding rule for {getattr(node.target, '__name__', node.target)}"
-    op = OpView(node, state, specs, trainable, no_column, demands)
+    op = OpView(node, state, specs, constraints)
     for a in inputs:
         op.require(a, Replicate())
     if distributed and any(isinstance(state.placements.get(a), Shard) for a in inputs):

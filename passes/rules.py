@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from tpcompile.placement import Layout, Partial, Replicate, Shard
+from tpcompile.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.dims import (
     merge_layout, norm_dim, shape, split_layout, sub_layout, val, view_groups,
 )
@@ -482,8 +483,88 @@ def _cat(op):
     return einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
 
 
-@register(aten.embedding.default)
+@register(aten._assert_tensor_metadata.default,
+          localize=lambda node, local: _localize_metadata_check(node, local))
+def _metadata_check(op):
+    """Export's dtype/device checks: no output, no need to gather what they look at."""
+    return None
+
+
+def _localize_metadata_check(node, local):
+    if isinstance(local.consumed(node.args[0], node), Shard):  # sizes are global: drop them
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "stride")}
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+               aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.clone.default,
+               aten.contiguous.default, aten.expand.default, aten._to_copy.default}
+
+
+def _from_inputs(node) -> bool:
+    """Indices that come from the caller (token ids), not computed in the model (positions)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SHAPE_ONLY:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder"
+
+
+def _contiguous(op, layout) -> bool:
+    return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
+
+
+@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local))
 def _embedding(op):
+    """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros)."""
+    w, ids = op.node.args[:2]
+    wanted = op.is_param(w) and (w.target in op.constraints.tied or (
+        op.options.vocab_parallel and _from_inputs(ids)))
+    layout = op.root_layout(w, 0) if wanted else None
+    if layout is not None and _contiguous(op, layout):
+        op.require(w, Shard(0, layout))
+        op.require(ids, Replicate())
+        return Partial()
     for a in _tensor_args(op.node):
         op.require(a, Replicate())
     return Replicate()
+
+
+def _localize_embedding(node, local):
+    p = local.consumed(node.args[0], node)
+    if isinstance(p, Shard):
+        (start, stop), = local.specs.ranges(p.layout)[local.rank]
+        pad = node.args[2] if len(node.args) > 2 else -1
+        local.replace_target(node, vocab_parallel_embedding, (node.args[0], node.args[1], start, stop, pad))
+
+
+@register(aten.cross_entropy_loss.default,
+          localize=lambda node, local: _localize_cross_entropy(node, local))
+def _cross_entropy(op):
+    """Logits sharded by vocabulary: a vocabulary-parallel loss, the logits never gathered."""
+    x, target = op.node.args[:2]
+    args = list(op.node.args) + [None, 1, -100, 0.0][len(op.node.args) - 2:]
+    weight, label_smoothing = op.node.kwargs.get("weight", args[2]), op.node.kwargs.get(
+        "label_smoothing", args[5])
+    p = op.placement(x)
+    class_dim = 1 if len(shape(x)) >= 2 else 0
+    if (isinstance(p, Shard) and p.dim == class_dim and weight is None and not label_smoothing
+            and _contiguous(op, p.layout)):
+        op.require(target, Replicate())
+        return Replicate()
+    for a in _tensor_args(op.node):
+        op.require(a, Replicate())
+    return Replicate()
+
+
+def _localize_cross_entropy(node, local):
+    x, target = node.args[:2]
+    p = local.consumed(x, node)
+    if not isinstance(p, Shard):
+        return
+    (start, stop), = local.specs.ranges(p.layout)[local.rank]
+    args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    reduction = node.kwargs.get("reduction", args[3])
+    ignore_index = node.kwargs.get("ignore_index", args[4])
+    node.kwargs = {}
+    local.replace_target(node, vocab_parallel_cross_entropy,
+                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group))

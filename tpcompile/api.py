@@ -21,10 +21,10 @@ from torch import fx, nn
 from tpcompile.capture import capture
 from tpcompile.errors import MeshError, PlanMismatchError, TPCompileError
 from tpcompile.pipeline import Pass, run_passes
-from tpcompile.plan import ShardingPlan
+from tpcompile.plan import PlanOptions, ShardingPlan
 from tpcompile.passes.bias import fuse_bias_pass, split_bias_pass
 from tpcompile.passes.insert_collectives import insert_collectives_pass
-from tpcompile.passes.localize import localize_shapes_pass
+from tpcompile.passes.localize import localize_pass
 from tpcompile.passes.materialize import materialize_params_pass
 from tpcompile.passes.plan_sharding import plan_sharding
 from tpcompile.runtime import TPModule
@@ -53,17 +53,20 @@ def resolve_group(mesh=None):
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def plan_model(model: nn.Module, example_inputs, world_size: int):
-    """Capture ``model`` and plan it for ``world_size`` ranks; no process group needed."""
-    cap = capture(model, example_inputs)
+def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, **options):
+    """Capture ``model`` and plan it for ``world_size`` ranks; no process group needed.
+
+    ``options``: ``vocab_parallel``, ``loss_parallel`` (see :class:`PlanOptions`).
+    """
+    cap = capture(model, example_inputs, example_kwargs)
     split_bias_pass(cap.gm)
-    return cap, plan_sharding(cap, world_size)
+    return cap, plan_sharding(cap, world_size, PlanOptions(**options))
 
 
 def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]:
     """The transform pipeline for one rank, each pass named so it can be diffed on its own."""
     return [
-        ("localize_shapes", functools.partial(localize_shapes_pass, plan=plan, rank=rank)),
+        ("localize", functools.partial(localize_pass, plan=plan, rank=rank, group=group_name)),
         ("insert_collectives", functools.partial(
             insert_collectives_pass, plan=plan, rank=rank, group=group_name)),
         ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
@@ -72,12 +75,12 @@ def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]
 
 
 def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
-            group_name: str = "tp", record: bool = False):
+            group_name: str = "tp", record: bool = False, example_kwargs=None, **options):
     """Plan and rewrite one rank's graph without a process group (for inspection and tests).
 
     Returns ``(gm, plan, records)``; the graph's collectives name ``group_name``.
     """
-    cap, plan = plan_model(model, example_inputs, world_size)
+    cap, plan = plan_model(model, example_inputs, world_size, example_kwargs, **options)
     gm, records = run_passes(cap.gm, rewrite_passes(plan, rank, group_name), record=record)
     return gm, plan, records
 
@@ -93,13 +96,21 @@ def _check_agreement(plan: ShardingPlan, group) -> None:
             "call parallelize with the same model code, config and example input shapes")
 
 
-def parallelize(model: nn.Module, example_inputs, mesh=None) -> TPModule:
+def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
+                vocab_parallel: bool = False, loss_parallel: bool = False) -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
         model: any ``nn.Module`` torch.export can capture; left untouched (free it if you like).
         example_inputs: a tuple of tensors shaped like a real call (meta tensors work too).
         mesh: a 1-D ``DeviceMesh`` or ``ProcessGroup``; None uses the default process group.
+        example_kwargs: keyword inputs of the example call (``attention_mask=...``).
+        vocab_parallel: shard token-embedding tables by vocabulary rows (one extra forward
+            all-reduce each, (N-1)/N of the table saved per rank).
+        loss_parallel: return logits of a column-parallel LM head as this rank's vocabulary
+            shard instead of gathering them; compute the loss with
+            :func:`tpcompile.sharded_cross_entropy`. A loss traced inside the model (a
+            ``forward`` that returns ``F.cross_entropy(...)``) is vocabulary-parallel anyway.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -107,7 +118,8 @@ def parallelize(model: nn.Module, example_inputs, mesh=None) -> TPModule:
         lengths than ``example_inputs`` are accepted.
     """
     group, rank, world_size = resolve_group(mesh)
-    cap, plan = plan_model(model, example_inputs, world_size)
+    cap, plan = plan_model(model, example_inputs, world_size, example_kwargs,
+                           vocab_parallel=vocab_parallel, loss_parallel=loss_parallel)
     _check_agreement(plan, group)
     gm, _ = run_passes(cap.gm, rewrite_passes(plan, rank, group.group_name))
     return TPModule(gm, plan, rank, group)

@@ -12,6 +12,7 @@ the rewritten module accepts other sizes; dimensions the model fixes are special
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 from torch.export import Dim
+from torch.utils._pytree import tree_leaves
 
 from tpcompile.errors import CaptureError
 
@@ -79,28 +81,41 @@ def param_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def _export(model: nn.Module, args: tuple, dynamic: bool):
+def _auto(x):
+    """Every dim of every tensor dynamic (export specialises the ones the model fixes)."""
+    if isinstance(x, torch.Tensor):
+        return {d: Dim.AUTO for d in range(x.dim())}
+    if isinstance(x, dict):
+        return {k: _auto(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_auto(v) for v in x)
+    return None
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool):
     shapes = None
     if dynamic:
-        shapes = tuple(
-            {d: Dim.AUTO for d in range(a.dim())} if isinstance(a, torch.Tensor) else None
-            for a in args
-        )
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        shapes = {name: _auto(value) for name, value in bound.arguments.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.export.export(model, args, dynamic_shapes=shapes, strict=False)
+        return torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
+                                   strict=False)
 
 
-def capture(model: nn.Module, example_inputs, dynamic: bool = True) -> Capture:
-    """Export ``model`` called on ``example_inputs`` and unlift it into a GraphModule.
+def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None,
+            dynamic: bool = True) -> Capture:
+    """Export ``model(*example_inputs, **example_kwargs)`` and unlift it into a GraphModule.
 
     Raises :class:`CaptureError` naming the model line export could not trace, with the fix.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
-    args = tuple(_concrete(x, _model_device(model)) for x in _as_tuple(example_inputs))
+    device = _model_device(model)
+    args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
+    kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
     try:
-        ep = _export(model, args, dynamic)
+        ep = _export(model, args, kwargs, dynamic)
     except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
         raise CaptureError(
             f"cannot capture data-dependent control flow at {_user_frame(e)}\n"
@@ -109,7 +124,7 @@ def capture(model: nn.Module, example_inputs, dynamic: bool = True) -> Capture:
     except Exception as e:  # noqa: BLE001 - every export failure becomes one actionable error
         if dynamic:
             try:
-                return capture(model, example_inputs, dynamic=False)
+                return capture(model, example_inputs, example_kwargs, dynamic=False)
             except CaptureError:
                 pass
         raise CaptureError(
@@ -128,9 +143,8 @@ def capture(model: nn.Module, example_inputs, dynamic: bool = True) -> Capture:
             aliases[node.target] = aliases_by_id.get(id(t), (node.target,))
             if isinstance(t, nn.Parameter) and t.requires_grad:
                 params.add(node.target)
-    specs = tuple(
-        (tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor)
-    )
+    specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor))
     return Capture(gm, aliases, frozenset(params), specs)
 
 

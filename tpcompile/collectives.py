@@ -153,22 +153,25 @@ def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_siz
     return _ReduceScatter.apply(x, dim, width, index, mine, group_size, group)
 
 
-# what each inserted call costs: (forward collective, backward collective)
+# what each inserted call costs: (forward collectives, backward collectives)
 COLLECTIVE_FNS = {
-    all_reduce: ("all_reduce", None),
-    copy_to_region: (None, "all_reduce"),
-    sync_grad_pieces: (None, "all_reduce"),
-    all_gather: ("all_gather", None),
-    reduce_scatter: ("reduce_scatter", "all_gather"),
+    all_reduce: (("all_reduce",), ()),
+    copy_to_region: ((), ("all_reduce",)),
+    sync_grad_pieces: ((), ("all_reduce",)),
+    all_gather: (("all_gather",), ()),
+    reduce_scatter: (("reduce_scatter",), ("all_gather",)),
 }
 
 
 def count_collectives(gm) -> dict[str, dict[str, int]]:
     """Collectives one forward and one backward of a rewritten graph issue, by kind."""
+    from tpcompile.vocab import vocab_parallel_cross_entropy
+
+    costs = {**COLLECTIVE_FNS, vocab_parallel_cross_entropy: (("all_reduce", "all_reduce"), ())}
     counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in COLLECTIVE_FNS:
-            for phase, kind in zip(("forward", "backward"), COLLECTIVE_FNS[node.target]):
-                if kind is not None:
+        if node.op == "call_function" and node.target in costs:
+            for phase, kinds in zip(("forward", "backward"), costs[node.target]):
+                for kind in kinds:
                     counts[phase][kind] = counts[phase].get(kind, 0) + 1
     return counts

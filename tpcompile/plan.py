@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from tpcompile.placement import Block, Layout, Partial, Placement, Replicate, RootSpec, Shard, Specs
 
-__all__ = ["ParamPlan", "Conversion", "ShardingPlan", "placement_to_json", "placement_from_json"]
+__all__ = ["PlanOptions", "ParamPlan", "Conversion", "ShardingPlan", "placement_to_json",
+           "placement_from_json"]
 
 
 def placement_to_json(p):
@@ -33,6 +34,19 @@ def placement_from_json(obj):
     if isinstance(obj, dict):
         return Shard(obj["shard"], Layout(**obj["layout"]))
     return Replicate() if obj == "R" else Partial()
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """User choices that change the plan (they are part of the plan's fingerprint).
+
+    ``vocab_parallel``: shard token-embedding tables by vocabulary rows (masked lookup, one
+    all-reduce). ``loss_parallel``: leave sharded outputs (logits of a column-parallel LM head)
+    sharded instead of gathering them, for :func:`tpcompile.vocab_parallel_cross_entropy`.
+    """
+
+    vocab_parallel: bool = False
+    loss_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,13 @@ class ShardingPlan:
     grad_syncs: tuple[str, ...]            # replicated values whose gradients are all-reduced
     roots: dict[str, RootSpec]
     fallbacks: dict[str, str] = field(default_factory=dict)   # node -> why it was gathered
-    replicated: dict[str, str] = field(default_factory=dict)  # matmul node -> why kept whole
+    replicated: dict[str, str] = field(default_factory=dict)  # weight -> why kept whole
+    options: PlanOptions = PlanOptions()
+    outputs: tuple = ()                    # placement of each flat graph output
+
+    def output_layouts(self) -> dict[int, Layout]:
+        """Flat outputs left sharded on their last dim (``loss_parallel``): index -> layout."""
+        return {i: p.layout for i, p in enumerate(self.outputs) if isinstance(p, Shard)}
 
     @property
     def specs(self) -> Specs:
@@ -105,6 +125,8 @@ class ShardingPlan:
                           "blocks": [asdict(b) for b in r.blocks]} for k, r in self.roots.items()},
             "fallbacks": self.fallbacks,
             "replicated": self.replicated,
+            "options": asdict(self.options),
+            "outputs": placement_to_json(list(self.outputs)),
         }
         return json.dumps(obj, sort_keys=True)
 
@@ -131,6 +153,8 @@ class ShardingPlan:
             roots=roots,
             fallbacks=obj["fallbacks"],
             replicated=obj["replicated"],
+            options=PlanOptions(**obj.get("options", {})),
+            outputs=tuple(placement_from_json(obj.get("outputs", []))),
         )
 
     # ------------------------------------------------------------------ printing

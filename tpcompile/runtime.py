@@ -32,8 +32,8 @@ class TPModule(nn.Module):
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
 
-    def forward(self, *args):
-        return self.graph_module(*args)
+    def forward(self, *args, **kwargs):
+        return self.graph_module(*args, **kwargs)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, gathered from every rank (a collective: call on all)."""

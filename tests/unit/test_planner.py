@@ -61,7 +61,8 @@ def test_llama_gqa(ws, kv_style):
 def test_lm_head_stays_replicated_with_a_reason():
     plan = plan_for("llama", 2)
     assert plan.styles()["output.weight"] == "replicate"
-    assert "all-gathered" in plan.replicated["linear_14"]
+    assert "linear_14" in plan.replicated["output.weight"]
+    assert "all-gather at output" in plan.replicated["output.weight"]
     assert "output.weight" in str(plan)
 
 
