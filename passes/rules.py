@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from tpcompile.placement import Layout, Partial, Replicate, Shard
+from tpcompile.rng import per_rank_sdpa, sharded_dropout
 from tpcompile.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.dims import (
     merge_layout, norm_dim, shape, split_layout, sub_layout, val, view_groups,
@@ -151,7 +152,6 @@ UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
     aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
     aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default, aten.type_as.default,
-    aten.dropout.default,
 ]
 POINTWISE = [
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
@@ -166,6 +166,18 @@ POINTWISE = [
     aten.view_as_real.default, aten.view_as_complex.default, aten.gelu_.default,
 ]
 register(*UNARY_LINEAR)(_pointwise("unary"))
+
+
+def _localize_dropout(node, local):
+    """A sharded dropout draws the whole tensor's mask and keeps its slice (see tpcompile.rng)."""
+    (p,) = local.out_placements(node)
+    if isinstance(p, Shard):
+        x, prob, train = node.args
+        local.replace_target(node, sharded_dropout, (
+            x, prob, train, p.dim, p.layout.size, list(local.specs.ranges(p.layout)[local.rank])))
+
+
+register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
 register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
@@ -207,7 +219,16 @@ def _matmul(op):
     return einsum_rule(op, [(x, a), (w, b)], out, linear="mul")
 
 
-@register(aten.scaled_dot_product_attention.default)
+def _localize_sdpa(node, local):
+    """Attention dropout on sharded heads draws from a per-rank generator (see tpcompile.rng)."""
+    dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    (p,) = local.out_placements(node)
+    if dropout_p and isinstance(p, Shard):
+        local.replace_target(node, per_rank_sdpa, tuple(node.args))
+        node.kwargs = {**node.kwargs, "rank": local.rank}
+
+
+@register(aten.scaled_dot_product_attention.default, localize=_localize_sdpa)
 def _sdpa(op):
     """Heads are independent: q, k, v sharded alike on dim 1 keep the output sharded.
 

@@ -31,6 +31,7 @@ class ModelConfig:
     fused_qkv: bool = False
     tie_embeddings: bool = False
     bias: bool = True
+    dropout: float = 0.0  # GPT-2 only: attention probabilities, MLP hidden, residuals
 
 
 class MLPBlock(nn.Module):
@@ -63,9 +64,10 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.sdpa = cfg.n_heads, cfg.sdpa
+        self.n_heads, self.sdpa, self.p = cfg.n_heads, cfg.sdpa, cfg.dropout
         self.c_attn = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+        self.attn_drop, self.resid_drop = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
         mask = torch.tril(torch.ones(cfg.max_seq, cfg.max_seq, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, cfg.max_seq, cfg.max_seq), persistent=False)
 
@@ -76,13 +78,14 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
         v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
         if self.sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            p = self.p if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
-            y = F.softmax(att, dim=-1) @ v
+            y = self.attn_drop(F.softmax(att, dim=-1)) @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.resid_drop(self.c_proj(y))
 
 
 class GPT2Block(nn.Module):
@@ -93,10 +96,12 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.dim)
         self.c_fc = nn.Linear(cfg.dim, cfg.hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.hidden, cfg.dim, bias=cfg.bias)
+        self.hidden_drop, self.resid_drop = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        h = self.hidden_drop(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+        return x + self.resid_drop(self.c_proj(h))
 
 
 class GPT2(nn.Module):

@@ -142,3 +142,163 @@ def untouched_model(rank: int, world_size: int) -> dict:
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     shared = [n for n, t in tp.state_dict().items() if t.data_ptr() in ptrs]
     return {"changed": changed, "shared": shared, "keys_equal": set(tp.state_dict()) == set(before)}
+
+
+# ----------------------------------------------------------------- vocabulary parallelism
+
+class WithLoss(nn.Module):
+    """A language model with its loss traced in: ``forward(ids, labels) -> loss``."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        logits = self.lm(ids)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _labels(ids):
+    labels = ids.roll(-1, 1).clone()
+    labels[:, -1] = -100  # ignored
+    return labels
+
+
+def _vocab_case(name: str) -> dict:
+    from tpcompile.check import rel_err
+
+    if name == "llama_vocab_parallel":
+        model = models.build("llama", vocab=97)
+        x = models.example_inputs(model)
+        tp = tpcompile.parallelize(model, x, vocab_parallel=True)
+        return {"cmp": compare(model, tp, x, steps=3), "plan": tp.plan}
+    if name in ("gpt2_traced_loss", "llama_traced_loss"):
+        model = WithLoss(models.build(name.split("_")[0], vocab=97))
+        ids = models.example_inputs(model.lm)[0]
+        x = (ids, _labels(ids))
+        tp = tpcompile.parallelize(model, x)
+        return {"cmp": compare(model, tp, x, steps=3), "plan": tp.plan}
+    assert name == "llama_loss_parallel"
+    model = models.build("llama", vocab=97)
+    ids = models.example_inputs(model)[0]
+    tp = tpcompile.parallelize(model, (ids,), loss_parallel=True, vocab_parallel=True)
+    ref = __import__("copy").deepcopy(model)
+    labels = _labels(ids)
+    ref_loss = torch.nn.functional.cross_entropy(ref(ids).flatten(0, 1), labels.flatten())
+    local = tp(ids)
+    loss = tpcompile.sharded_cross_entropy(tp, local, labels)
+    ref_loss.backward()
+    loss.backward()
+    grads = tp.full_grads()
+    return {"loss_err": rel_err(loss, ref_loss), "local_shape": tuple(local.shape),
+            "grad_errs": {n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()},
+            "plan": tp.plan}
+
+
+def vocab(rank: int, world_size: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        try:
+            out[name] = _vocab_case(name)
+        except Exception:  # noqa: BLE001
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def dropout(rank: int, world_size: int) -> dict:
+    """Train-mode dropout: explicit dropout is exactly the unsharded model's (same seed);
+    SDPA's internal dropout keeps replicas and the default generator consistent."""
+    import copy
+    import torch.distributed as dist
+    from tpcompile.check import rel_err
+
+    out = {}
+    for sdpa in (False, True):
+        model = models.build("gpt2", dropout=0.1, sdpa=sdpa, vocab=97).train()
+        x = models.example_inputs(model)
+        tp = tpcompile.parallelize(model, x)
+        ref = copy.deepcopy(model)
+        torch.manual_seed(123)
+        o_ref = ref(*x)
+        torch.manual_seed(123)
+        o = tp(*x)
+        state = torch.get_rng_state()
+        o.pow(2).sum().backward()
+        o_ref.pow(2).sum().backward()
+        grads = tp.full_grads()
+        outs = [torch.empty_like(o) for _ in range(world_size)]
+        dist.all_gather(outs, o.detach().contiguous())
+        states = [torch.empty_like(state) for _ in range(world_size)]
+        dist.all_gather(states, state)
+        out["sdpa" if sdpa else "explicit"] = {
+            "output_err": rel_err(o, o_ref),
+            "grad_err": max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters()),
+            "replicas_equal": all(torch.equal(outs[0], t) for t in outs),
+            "rng_equal": all(torch.equal(states[0], t) for t in states),
+        }
+    return out
+
+
+# ----------------------------------------------------------------- Hugging Face models
+
+def hf_model(name: str):
+    """Tiny random-init transformers models (never downloaded)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(max_position_embeddings=64)
+    if name.startswith("llama"):
+        kv = {"llama": 2, "llama_mqa": 1, "llama_uneven": 2}[name]
+        vocab, inter = (50257, 11008) if name == "llama_uneven" else (128, 128)
+        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=inter,
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
+                             use_cache=False, **small)
+        return tf.LlamaForCausalLM(cfg)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
+                            use_cache=False, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                            bos_token_id=0, eos_token_id=0)
+        return tf.GPT2LMHeadModel(cfg)
+    assert name == "bert"
+    cfg = tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                        intermediate_size=128, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                        **small)
+    return tf.BertForMaskedLM(cfg)
+
+
+def _hf_case(name: str, with_labels: bool) -> dict:
+    from tpcompile.check import rel_err
+
+    model = hf_model(name).eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # padding in the second sequence
+    kw = {"attention_mask": mask}
+    if not with_labels:
+        tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw)
+        cmp = compare(model, tp, (ids,), kwargs=kw)
+        return {"output_err": cmp.output_err, "grad_errs": cmp.grad_errs,
+                "collectives": cmp.collectives, "styles": tp.plan.styles()}
+    kw["labels"] = ids.clone()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw, loss_parallel=True,
+                               vocab_parallel=True)
+    ref = __import__("copy").deepcopy(model)
+    out_ref, out = ref(ids, **kw), tp(ids, **kw)
+    out_ref.loss.backward()
+    out.loss.backward()
+    grads = tp.full_grads()
+    floor = 1e-3 * max(p.grad.abs().max().item() for p in ref.parameters())
+    return {"loss_err": rel_err(out.loss, out_ref.loss), "logits_shape": tuple(out.logits.shape),
+            "grad_errs": {n: rel_err(grads[n], p.grad, floor) for n, p in ref.named_parameters()},
+            "styles": tp.plan.styles()}
+
+
+def hf(rank: int, world_size: int, cases: list[tuple[str, bool]]) -> dict:
+    out = {}
+    for name, with_labels in cases:
+        try:
+            out[(name, with_labels)] = _hf_case(name, with_labels)
+        except Exception:  # noqa: BLE001
+            out[(name, with_labels)] = {"error": traceback.format_exc()}
+    return out

@@ -1,0 +1,73 @@
+"""Hugging Face transformers models nobody here wrote: random-init tiny configs, gloo ranks.
+
+Outputs (logits) and every gradient against the unsharded model, with attention masks and a
+padded sequence; with labels, the loss HF computes inside the model is vocabulary-parallel and
+the logits come back as each rank's vocabulary shard (``loss_parallel=True``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import launch
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.dist
+
+CASES = [("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
+         ("llama", True), ("gpt2", True), ("bert", True)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {ws: launch("hf", ws, CASES) for ws in (2, 4)}
+    out[3] = launch("hf", 3, [("llama_uneven", False)])
+    return out
+
+
+def _get(results, ws, case):
+    per_rank = [r[case] for r in results[ws]]
+    for c in per_rank:
+        assert "error" not in c, c.get("error")
+    return per_rank
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("name", ["llama", "llama_mqa", "gpt2", "bert"])
+def test_logits_and_gradients_match(results, ws, name):
+    for c in _get(results, ws, (name, False)):
+        assert c["output_err"] <= 1e-5
+        worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_loss_inside_the_model_is_vocabulary_parallel(results, ws, name):
+    vocab = 128
+    for c in _get(results, ws, (name, True)):
+        assert c["loss_err"] <= 1e-5
+        worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert c["logits_shape"] == (2, 16, vocab // ws)  # never gathered
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_llama_plan_matches_hf_base_model_tp_plan(results, ws):
+    """Same styles as transformers' own ``base_model_tp_plan`` for Llama, found automatically."""
+    styles = _get(results, ws, ("llama", False))[0]["styles"]
+    hf_plan = transformers.LlamaConfig.base_model_tp_plan
+    for layer in range(2):
+        for pattern, style in hf_plan.items():
+            name = "model." + pattern.replace("*", str(layer)) + ".weight"
+            expected = style
+            if ws == 4 and pattern.endswith(("k_proj", "v_proj")):
+                expected = "replicate"  # 2 KV heads cannot be split over 4 ranks
+            assert styles[name] == expected, name
+
+
+def test_uneven_vocab_and_intermediate_on_three_ranks(results):
+    """vocab 50257 and intermediate 11008 over 3 ranks: uneven shards, exact results."""
+    for c in _get(results, 3, ("llama_uneven", False)):
+        assert c["output_err"] <= 1e-5
+        assert max(c["grad_errs"].values()) <= 1e-5

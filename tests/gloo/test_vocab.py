@@ -1,0 +1,81 @@
+"""Vocabulary parallelism, traced and sharded losses, tied tables, dropout, on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from support import launch
+
+pytestmark = pytest.mark.dist
+WORLD_SIZES = (2, 4)
+NAMES = ["llama_vocab_parallel", "gpt2_traced_loss", "llama_traced_loss", "llama_loss_parallel"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {ws: launch("vocab", ws, NAMES) for ws in WORLD_SIZES}
+
+
+def _get(results, ws, name):
+    cases = [r[name] for r in results[ws]]
+    for c in cases:
+        assert "error" not in c, c.get("error")
+    return cases
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_vocab_parallel_embedding(results, ws):
+    for c in _get(results, ws, "llama_vocab_parallel"):
+        cmp, plan = c["cmp"], c["plan"]
+        assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
+        table = plan.params["tok_embeddings.weight"]
+        assert table.style == "vocab"
+        rows = [s[0] for s in table.local_shapes]
+        assert sum(rows) == 97 and max(rows) - min(rows) <= 1  # uneven vocabulary, exact
+        # one more forward all-reduce (the lookup's partial rows), none backward
+        blocks = 4
+        assert cmp.collectives["forward"] == {"all_reduce": blocks + 1}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_tied_table_is_sharded_once_under_a_traced_loss(results, ws):
+    for c in _get(results, ws, "gpt2_traced_loss"):
+        cmp, plan = c["cmp"], c["plan"]
+        assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
+        (table,) = [p for p in plan.params.values() if "lm.wte.weight" in p.aliases]
+        assert set(table.aliases) == {"lm.wte.weight", "lm.lm_head.weight"}
+        assert table.style == "vocab" and not table.grad_sync
+        assert sum(s[0] for s in table.local_shapes) == 97
+        # the logits are never gathered: only all-reduces, two of them inside the loss
+        assert set(cmp.collectives["forward"]) == {"all_reduce"}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_lm_head_is_column_parallel_into_a_traced_loss(results, ws):
+    for c in _get(results, ws, "llama_traced_loss"):
+        cmp, plan = c["cmp"], c["plan"]
+        assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
+        assert plan.styles()["lm.output.weight"] == "colwise"
+        assert "all_gather" not in cmp.collectives["forward"]
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_loss_parallel_returns_local_logits(results, ws):
+    for c in _get(results, ws, "llama_loss_parallel"):
+        assert c["loss_err"] <= 1e-5
+        assert max(c["grad_errs"].values()) <= 1e-5
+        assert c["local_shape"][:2] == (2, 16) and c["local_shape"][2] in (24, 25, 48, 49)
+        assert c["plan"].styles()["output.weight"] == "colwise"
+
+
+@pytest.mark.parametrize("ws", [3, 4])
+def test_dropout(ws):
+    for r in launch("dropout", ws):
+        explicit, sdpa = r["explicit"], r["sdpa"]
+        # dropout ops on sharded tensors draw the whole mask: exactly the unsharded model
+        assert explicit["output_err"] <= 1e-5 and explicit["grad_err"] <= 1e-5
+        assert explicit["replicas_equal"] and explicit["rng_equal"]
+        # SDPA's own dropout uses per-rank generators: replicas and the default RNG agree,
+        # and dropout did happen (the output differs from the reference's random draw)
+        assert sdpa["replicas_equal"] and sdpa["rng_equal"]
+        assert sdpa["output_err"] > 1e-3
