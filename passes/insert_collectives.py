@@ -61,17 +61,19 @@ class _Converter:
             return self.specs.ranges(placement.layout)[self.rank]
         return ((0, full),)
 
-    def convert(self, x: fx.Node, src, dst) -> fx.Node:
+    def convert(self, x: fx.Node, src, dst, sum_grads: bool = False) -> fx.Node:
         g, ws = self.g, self.plan.world_size
         if isinstance(src, Partial) and isinstance(dst, Shard):
             width, index, mine, _ = gather_args(self.specs, dst.layout, self.rank, ws)
             return g.call_function(C.reduce_scatter, (x, dst.dim, width, index, mine, ws, self.group))
         if isinstance(src, Partial):
-            return g.call_function(C.all_reduce, (x, self.group))
+            x = g.call_function(C.all_reduce, (x, self.group))
+            return g.call_function(C.copy_to_region, (x, self.group)) if sum_grads else x
         if isinstance(dst, Replicate):
             if isinstance(src, Shard):
                 args = gather_args(self.specs, src.layout, self.rank, ws)
-                x = g.call_function(C.all_gather, (x, src.dim) + args + (ws, self.group))
+                gather = C.gather_into_region if sum_grads else C.all_gather
+                x = g.call_function(gather, (x, src.dim) + args + (ws, self.group))
             return x
         assert isinstance(dst, Shard), dst
         if isinstance(src, Shard) and (src.dim != dst.dim or not self.specs.contains(src.layout, dst.layout)):
@@ -121,11 +123,11 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
     for c in plan.conversions:
         user, f = nodes[c.user], f_of.get(c.value)
         source = f if f is not None and f in user.all_input_nodes else nodes[c.value]
-        groups.setdefault((source, _key(c.dst)), []).append((c, user))
-    for (source, _), items in groups.items():
+        groups.setdefault((source, _key(c.dst), c.sum_grads), []).append((c, user))
+    for (source, _, sum_grads), items in groups.items():
         c = items[0][0]
         with g.inserting_before(min((u for _, u in items), key=order.__getitem__)):
-            out = conv.convert(source, c.src, c.dst)
+            out = conv.convert(source, c.src, c.dst, sum_grads)
         for _, user in items:
             user.replace_input_with(source, out)
     g.lint()

@@ -51,7 +51,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
     if world_size < 1:
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
-    constraints = Constraints(cap.params, options)
+    constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)
         fresh = [d for d in state.demands if d not in constraints.demands]
@@ -71,6 +71,17 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     return _freeze(cap, state, constraints, world_size)
+
+
+def _sequence_length(cap: Capture, options: PlanOptions) -> int | None:
+    """Dim 1 of the first input with one: what sequence parallelism cuts."""
+    if not options.sequence_parallel:
+        return None
+    for shape_, _ in cap.input_specs:
+        if len(shape_) >= 2:
+            return int(shape_[1])
+    raise TPCompileError("sequence_parallel needs an input with a sequence dim (dim 1), "
+                         f"got input shapes {[s for s, _ in cap.input_specs]}")
 
 
 def _consumed(state: Propagation, value: fx.Node, user: fx.Node):
@@ -227,7 +238,8 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
-    syncs = _grad_syncs(gm, state, _needs_grad(gm, cap.params))
+    needs_grad = _needs_grad(gm, cap.params)
+    syncs = _grad_syncs(gm, state, needs_grad)
     params = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
@@ -252,7 +264,9 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
             local_shapes=tuple(_local_shape(gshape, p, specs, r) for r in range(ws)),
             grad_sync=grad_sync, reason=reason)
     conversions = tuple(
-        Conversion(value.name, user.name, state.placements.get(value), dst)
+        Conversion(value.name, user.name, state.placements.get(value), dst,
+                   sum_grads=(value in needs_grad and isinstance(dst, Replicate)
+                              and _is_distributed(state.placements.get(user))))
         for (value, user), dst in state.conversions.items())
     used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
     outputs = tuple(_consumed(state, a, state.output) for a in state.output.all_input_nodes)

@@ -32,6 +32,7 @@ aten = torch.ops.aten
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "PARAM_MATMULS"]
 
 PARAM_MATMULS = (aten.linear.default, aten.mm.default, aten.matmul.default)
+SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Constraints:
     demands: list[Demand] = field(default_factory=list)
     tied: set[str] = field(default_factory=set)             # roots embeddings must follow
     reduce_early: set[str] = field(default_factory=set)     # partial sums every consumer reads reduced
+    seq_len: int | None = None                              # sequence parallelism: static length
 
 
 @dataclass
@@ -134,9 +136,12 @@ class OpView:
                     raise Misaligned(demand)
         return target
 
-    def maybe_column_parallel(self, operands, out_labels):
+    def maybe_column_parallel(self, operands, out_labels, assume_replicated=()):
         """Start a column-parallel root at a parameter matmul with a replicated activation."""
         if self.node.target not in PARAM_MATMULS or "n" not in out_labels:
+            return None
+        if any(not isinstance(self.placement(a), Replicate) for a, _ in operands
+               if a not in assume_replicated and _is_tensor(a)):
             return None
         weights = [(arg, labels) for arg, labels in operands
                    if "n" in labels and self.is_param(arg)]
@@ -151,6 +156,36 @@ class OpView:
             if arg is not w and "n" in lab:  # a bias over the same features
                 self.require(arg, Shard(lab.index("n"), layout))
         return Shard(out_labels.index("n"), layout)
+
+    def sequence_label(self, out_labels) -> object:
+        """With sequence parallelism: the label of dim 1 of a (batch, seq, features) output."""
+        t = self.constraints.seq_len
+        out = val(self.node)
+        if (t is None or self.specs.world_size < 2 or not isinstance(out, torch.Tensor)
+                or out.dim() != 3 or out.shape[1] != t or not out.dtype.is_floating_point):
+            return None
+        return out_labels[1]
+
+    def sequence_layout(self) -> Layout:
+        t = self.constraints.seq_len
+        if SEQUENCE not in self.specs.roots:
+            self.specs.roots[SEQUENCE] = RootSpec.build(SEQUENCE, t, self.specs.world_size, [])
+        return Layout(SEQUENCE, t)
+
+    def gather_for_column(self, operands, out_labels):
+        """A parameter matmul reading sequence shards gathers them first (Megatron-SP).
+
+        Then it goes column-parallel, or, when its weight must stay whole (an LM head whose
+        logits are gathered), computes replicated: gathering the input moves fewer bytes than
+        gathering its output (features out >= in for LM heads) and needs no weight-gradient sync.
+        """
+        if self.node.target not in PARAM_MATMULS or not any(self.is_param(a) for a, _ in operands):
+            return None
+        activations = [a for a, _ in operands if isinstance(self.placement(a), Shard)]
+        column = self.maybe_column_parallel(operands, out_labels, assume_replicated=activations)
+        for a in activations:
+            self.require(a, Replicate())
+        return column or Replicate()
 
     def is_param(self, arg) -> bool:
         return isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in self.constraints.params

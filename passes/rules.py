@@ -69,6 +69,8 @@ def einsum_rule(op, operands, out_labels, linear=None):
     """Propagate through an op whose operand dims carry labels (see module docstring).
 
     ``operands``: [(arg, labels)] with one label per dim (None: a broadcast size-1 dim).
+    With sequence parallelism, replicated and partial activations are put on sequence shards
+    (partial ones by a reduce-scatter) and column-parallel matmuls gather their input first.
     """
     sharded, partial = [], []
     for i, (arg, labels) in enumerate(operands):
@@ -77,30 +79,36 @@ def einsum_rule(op, operands, out_labels, linear=None):
             sharded.append((i, labels[p.dim], p.layout))
         elif isinstance(p, Partial):
             partial.append(i)
-    if sharded and partial:
-        for i in partial:
-            op.require(operands[i][0], Replicate())
-        partial = []
-    if partial:
+    seq = op.sequence_label(out_labels)
+    if partial and not sharded:
         if linear == "add" and len(partial) == len([o for o in operands if op.is_tensor(o[0])]):
             return Partial()
         if linear in ("mul", "unary") and len(partial) == 1:
             return Partial()
-        for i in partial:
-            op.require(operands[i][0], Replicate())
-        return Replicate()
+        if seq is None or not all(seq in operands[i][1] for i in partial):
+            for i in partial:
+                op.require(operands[i][0], Replicate())
+            return Replicate()
+        sharded = [(i, seq, op.sequence_layout()) for i in partial]  # reduce-scatter them
     if not sharded:
-        return op.maybe_column_parallel(operands, out_labels) or Replicate()
+        column = op.maybe_column_parallel(operands, out_labels)
+        if column is not None or seq is None:
+            return column or Replicate()
+        sharded = [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
     label = sharded[0][1]
     if label is None:  # sharded along a dim the op does not map (e.g. a broadcast size-1 dim)
         for arg, _ in operands:
             op.require(arg, Replicate())
         return Replicate()
+    if label == seq and len(sharded) == len([s for s in sharded if s[1] == seq]):
+        column = op.gather_for_column(operands, out_labels)  # Megatron-SP: all-gather, then column
+        if column is not None:
+            return column
     for i, lab, _ in sharded[1:]:
         if lab != label:  # a second sharded label: gather that operand
             op.require(operands[i][0], Replicate())
-    same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label]
-    target = op.unify(same)
+    same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label and i is not None]
+    target = op.unify(same) if same else sharded[0][2]
     contracted = label not in out_labels
     if contracted and (linear != "mul" or op.overlaps(target)):
         # a non-linear reduction over a sharded dim (softmax over heads' dim, norms) or a
@@ -108,9 +116,11 @@ def einsum_rule(op, operands, out_labels, linear=None):
         for arg, _ in same:
             op.require(arg, Replicate())
         return Replicate()
-    for arg, labels in operands:
-        if label in labels:
+    for i, (arg, labels) in enumerate(operands):
+        if label in labels:  # replicated operands are sliced, partial ones reduce-scattered
             op.require(arg, Shard(labels.index(label), target))
+        elif i in partial:
+            op.require(arg, Replicate())
     if contracted:
         return Partial()
     return Shard(out_labels.index(label), target)

@@ -27,6 +27,7 @@ from tpcompile.passes.insert_collectives import insert_collectives_pass
 from tpcompile.passes.localize import localize_pass
 from tpcompile.passes.materialize import materialize_params_pass
 from tpcompile.passes.plan_sharding import plan_sharding
+from tpcompile.passes.sequence_linears import fuse_sequence_linears_pass
 from tpcompile.runtime import TPModule
 
 __all__ = ["parallelize", "plan_model", "rewrite", "rewrite_passes", "resolve_group"]
@@ -58,9 +59,11 @@ def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs
 
     ``options``: ``vocab_parallel``, ``loss_parallel`` (see :class:`PlanOptions`).
     """
-    cap = capture(model, example_inputs, example_kwargs)
+    opts = PlanOptions(**options)
+    cap = capture(model, example_inputs, example_kwargs,
+                  static_dims=(1,) if opts.sequence_parallel else ())
     split_bias_pass(cap.gm)
-    return cap, plan_sharding(cap, world_size, PlanOptions(**options))
+    return cap, plan_sharding(cap, world_size, opts)
 
 
 def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]:
@@ -71,6 +74,7 @@ def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]
             insert_collectives_pass, plan=plan, rank=rank, group=group_name)),
         ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
         ("fuse_bias", fuse_bias_pass),
+        ("fuse_sequence_linears", fuse_sequence_linears_pass),
     ]
 
 
@@ -97,7 +101,8 @@ def _check_agreement(plan: ShardingPlan, group) -> None:
 
 
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
-                vocab_parallel: bool = False, loss_parallel: bool = False) -> TPModule:
+                vocab_parallel: bool = False, loss_parallel: bool = False,
+                sequence_parallel: bool = False) -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
@@ -111,6 +116,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             shard instead of gathering them; compute the loss with
             :func:`tpcompile.sharded_cross_entropy`. A loss traced inside the model (a
             ``forward`` that returns ``F.cross_entropy(...)``) is vocabulary-parallel anyway.
+        sequence_parallel: Megatron-SP: norms, residual adds and dropout run on sequence
+            shards (dim 1 of ``(batch, seq, features)`` activations); every all-reduce becomes
+            a reduce-scatter and an all-gather. The sequence length is fixed to the example's.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -119,7 +127,8 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     """
     group, rank, world_size = resolve_group(mesh)
     cap, plan = plan_model(model, example_inputs, world_size, example_kwargs,
-                           vocab_parallel=vocab_parallel, loss_parallel=loss_parallel)
+                           vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
+                           sequence_parallel=sequence_parallel)
     _check_agreement(plan, group)
     gm, _ = run_passes(cap.gm, rewrite_passes(plan, rank, group.group_name))
     return TPModule(gm, plan, rank, group)

@@ -81,22 +81,22 @@ def param_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def _auto(x):
-    """Every dim of every tensor dynamic (export specialises the ones the model fixes)."""
+def _auto(x, static: tuple[int, ...]):
+    """Every dim of every tensor dynamic but ``static`` (export specialises what the model fixes)."""
     if isinstance(x, torch.Tensor):
-        return {d: Dim.AUTO for d in range(x.dim())}
+        return {d: Dim.AUTO for d in range(x.dim()) if d not in static}
     if isinstance(x, dict):
-        return {k: _auto(v) for k, v in x.items()}
+        return {k: _auto(v, static) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
-        return type(x)(_auto(v) for v in x)
+        return type(x)(_auto(v, static) for v in x)
     return None
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool):
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: tuple[int, ...]):
     shapes = None
     if dynamic:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        shapes = {name: _auto(value) for name, value in bound.arguments.items()}
+        shapes = {name: _auto(value, static) for name, value in bound.arguments.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
@@ -104,8 +104,11 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool):
 
 
 def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None,
-            dynamic: bool = True) -> Capture:
+            dynamic: bool = True, static_dims: tuple[int, ...] = ()) -> Capture:
     """Export ``model(*example_inputs, **example_kwargs)`` and unlift it into a GraphModule.
+
+    ``static_dims``: input dims kept at their example size (sequence parallelism cuts dim 1
+    into fixed shards).
 
     Raises :class:`CaptureError` naming the model line export could not trace, with the fix.
     """
@@ -115,7 +118,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
     try:
-        ep = _export(model, args, kwargs, dynamic)
+        ep = _export(model, args, kwargs, dynamic, static_dims)
     except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
         raise CaptureError(
             f"cannot capture data-dependent control flow at {_user_frame(e)}\n"
@@ -124,7 +127,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     except Exception as e:  # noqa: BLE001 - every export failure becomes one actionable error
         if dynamic:
             try:
-                return capture(model, example_inputs, example_kwargs, dynamic=False)
+                return capture(model, example_inputs, example_kwargs, dynamic=False)  # all static
             except CaptureError:
                 pass
         raise CaptureError(

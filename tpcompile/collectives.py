@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "reduce_scatter",
+__all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
+           "reduce_scatter",
            "COLLECTIVE_FNS", "count_collectives"]
 
 _c10d = torch.ops._c10d_functional
@@ -121,6 +122,25 @@ class _Gather(torch.autograd.Function):
         return local, None, None, None, None, None, None, None
 
 
+class _GatherIntoRegion(torch.autograd.Function):
+    """Shard -> Replicate feeding a sharded region: backward sums the partial gradients over
+    ranks and keeps this rank's slice (a reduce-scatter; Megatron-SP's all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, keep, group_size, group):
+        ctx.dim, ctx.mine, ctx.keep, ctx.group = dim, mine, keep, group
+        return _gather(x, dim, width, index, group_size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = _take(_all_reduce(grad, ctx.group), ctx.dim, ctx.mine)
+        if ctx.keep is not None:
+            shape = [1] * local.dim()
+            shape[ctx.dim] = -1
+            local = local * torch.tensor(ctx.keep, device=grad.device, dtype=grad.dtype).view(shape)
+        return local, None, None, None, None, None, None, None
+
+
 class _ReduceScatter(torch.autograd.Function):
     """Partial -> Shard; backward all-gathers the shards' gradients (the whole gradient)."""
 
@@ -147,6 +167,12 @@ def all_gather(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_s
     return _Gather.apply(x, dim, width, index, mine, keep, group_size, group)
 
 
+def gather_into_region(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
+                       group: str) -> torch.Tensor:
+    """:func:`all_gather` whose result feeds a sharded region (gradients summed on the way back)."""
+    return _GatherIntoRegion.apply(x, dim, width, index, mine, keep, group_size, group)
+
+
 def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_size: int,
                    group: str) -> torch.Tensor:
     """Partial -> Shard along ``dim`` (arguments as for :func:`all_gather`)."""
@@ -159,6 +185,7 @@ COLLECTIVE_FNS = {
     copy_to_region: ((), ("all_reduce",)),
     sync_grad_pieces: ((), ("all_reduce",)),
     all_gather: (("all_gather",), ()),
+    gather_into_region: (("all_gather",), ("reduce_scatter",)),
     reduce_scatter: (("reduce_scatter",), ("all_gather",)),
 }
 
@@ -175,3 +202,45 @@ def count_collectives(gm) -> dict[str, dict[str, int]]:
                 for kind in kinds:
                     counts[phase][kind] = counts[phase].get(kind, 0) + 1
     return counts
+
+
+class _GatheredLinears(torch.autograd.Function):
+    """Megatron-SP's column-parallel input: gather sequence shards, apply several linears,
+    and save only the shard for backward (the gather is redone there), so the replicated
+    input never sits in activation memory. Backward: dx is reduce-scattered back to shards."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, keep, group_size, group, *weights_and_biases):
+        full = _gather(x, dim, width, index, group_size, group)
+        pairs = list(zip(weights_and_biases[0::2], weights_and_biases[1::2]))
+        ctx.args = (dim, width, index, mine, keep, group_size, group)
+        ctx.has_bias = [b is not None for _, b in pairs]
+        ctx.save_for_backward(x, *[w for w, _ in pairs])
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in pairs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, width, index, mine, keep, group_size, group = ctx.args
+        x, *weights = ctx.saved_tensors
+        full = _gather(x, dim, width, index, group_size, group)
+        flat = full.reshape(-1, full.shape[-1])
+        dx, out = None, []
+        for w, g, has_bias in zip(weights, grads, ctx.has_bias):
+            g2 = g.reshape(-1, g.shape[-1])
+            dx = g @ w if dx is None else dx + g @ w
+            out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        local = _take(_all_reduce(dx, group), dim, mine)
+        if keep is not None:
+            shape = [1] * local.dim()
+            shape[dim] = -1
+            local = local * torch.tensor(keep, device=dx.device, dtype=dx.dtype).view(shape)
+        return (local, None, None, None, None, None, None, None, *out)
+
+
+def gathered_linears(x, dim, width, index, mine, keep, group_size, group, *weights_and_biases):
+    """``[linear(all_gather(x), w, b) for w, b]`` saving only ``x`` (see _GatheredLinears)."""
+    return _GatheredLinears.apply(x, dim, width, index, mine, keep, group_size, group,
+                                  *weights_and_biases)
+
+
+COLLECTIVE_FNS[gathered_linears] = (("all_gather",), ("all_gather", "reduce_scatter"))

@@ -42,11 +42,14 @@ class PlanOptions:
 
     ``vocab_parallel``: shard token-embedding tables by vocabulary rows (masked lookup, one
     all-reduce). ``loss_parallel``: leave sharded outputs (logits of a column-parallel LM head)
-    sharded instead of gathering them, for :func:`tpcompile.vocab_parallel_cross_entropy`.
+    sharded instead of gathering them, for :func:`tpcompile.sharded_cross_entropy`.
+    ``sequence_parallel``: run the code between chains (norms, residuals, dropout) on sequence
+    shards of dim 1: row-parallel outputs are reduce-scattered, column-parallel inputs gathered.
     """
 
     vocab_parallel: bool = False
     loss_parallel: bool = False
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,18 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class Conversion:
-    """A value that a consumer needs in another placement: the collectives of the plan."""
+    """A value that a consumer needs in another placement: the collectives of the plan.
+
+    ``sum_grads``: the consumer differentiates the converted (replicated) value only partially
+    per rank (it feeds a sharded region), so the conversion's backward must sum over ranks:
+    a gather's backward becomes a reduce-scatter, an all-reduce's backward an all-reduce.
+    """
 
     value: str
     user: str
     src: Placement
     dst: Placement
+    sum_grads: bool = False
 
     @property
     def kind(self) -> str:
@@ -119,7 +128,8 @@ class ShardingPlan:
                        for k, v in self.params.items()},
             "placements": {k: placement_to_json(v) for k, v in self.placements.items()},
             "conversions": [{"value": c.value, "user": c.user, "src": placement_to_json(c.src),
-                             "dst": placement_to_json(c.dst)} for c in self.conversions],
+                             "dst": placement_to_json(c.dst), "sum_grads": c.sum_grads}
+                            for c in self.conversions],
             "grad_syncs": list(self.grad_syncs),
             "roots": {k: {"name": r.name, "size": r.size, "world_size": r.world_size,
                           "blocks": [asdict(b) for b in r.blocks]} for k, r in self.roots.items()},
@@ -148,7 +158,8 @@ class ShardingPlan:
             params=params,
             placements={k: placement_from_json(v) for k, v in obj["placements"].items()},
             conversions=tuple(Conversion(c["value"], c["user"], placement_from_json(c["src"]),
-                                         placement_from_json(c["dst"])) for c in obj["conversions"]),
+                                         placement_from_json(c["dst"]), c["sum_grads"])
+                              for c in obj["conversions"]),
             grad_syncs=tuple(obj["grad_syncs"]),
             roots=roots,
             fallbacks=obj["fallbacks"],
