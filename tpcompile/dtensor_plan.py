@@ -54,7 +54,7 @@ def _layout_problem(fqn: str, entry, plan) -> str | None:
     sizes = ", ".join(str(sum(e - s for s, e in r)) for r in ranges)
     chunks = ", ".join(str(sum(e - s for s, e in r))
                        for r in _chunk_ranges(entry.placement.layout.size, plan.world_size))
-    return (f"{fqn} has uneven whole-head shards of sizes {sizes}; DTensor's Shard cuts "
+    return (f"{fqn} has uneven shards of sizes {sizes}; DTensor's Shard cuts "
             f"torch.chunk sizes {chunks}")
 
 

@@ -49,7 +49,7 @@ def _literals(node: fx.Node) -> list:
     return [x for x in leaves if not isinstance(x, fx.Node)]
 
 
-def _report(progress: Callable[[str], None] | None, message: str) -> None:
+def _tell(progress: Callable[[str], None] | None, message: str) -> None:
     if progress is not None:
         progress(message)
 
@@ -69,11 +69,11 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
                              f"{world_size}, rank {rank}\n  hint: ranks are numbered from 0")
     name = type(model).__name__
     n_params = sum(p.numel() for p in model.parameters())
-    _report(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
+    _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
     start = time.perf_counter()
     cap = capture(model, example_inputs)
     stages = [("capture", render(cap.gm))] if render else []
-    _report(progress, f"captured {sum(1 for _ in cap.gm.graph.nodes)} graph nodes in "
+    _tell(progress, f"captured {sum(1 for _ in cap.gm.graph.nodes)} graph nodes in "
                       f"{time.perf_counter() - start:.1f}s; planning for {world_size} ranks")
     passes = [("split_bias", split_bias_pass)]
     gm, records = run_passes(cap.gm, passes, record=render or False)
@@ -82,7 +82,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     before = {n.name: _literals(n) for n in gm.graph.nodes if n.op == "call_function"}
     passes = [p for p in rewrite_passes(plan, rank, group_name)
               if copy_weights or p[0] != "materialize_params"]
-    _report(progress, f"rewriting the graph of rank {rank}")
+    _tell(progress, f"rewriting the graph of rank {rank}")
     gm, more = run_passes(gm, passes, record=render or False)
     stages += [(r.name, r.after) for r in records + more]
     relocalized = {}
