@@ -192,9 +192,9 @@ def dtensor_case(name: str):
     """(model, example inputs) for the parallelize_module equivalence test."""
     torch.manual_seed(0)
     if name == "inferred_heads":
-        model = InferredHeadsStack()
+        model = InferredHeadsStack(n_layers=1)
         return model, (torch.randn(2, 8, model.dim),)
-    model = models.build(name)
+    model = models.build(name, n_layers=1)
     return model, models.example_inputs(model)
 
 
