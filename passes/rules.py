@@ -181,8 +181,8 @@ register(*UNARY_LINEAR)(_pointwise("unary"))
 def _localize_dropout(node, local):
     """A sharded dropout draws the whole tensor's mask and keeps its slice (see tpcompile.rng)."""
     (p,) = local.out_placements(node)
-    if isinstance(p, Shard):
-        x, prob, train = node.args
+    x, prob, train = node.args
+    if isinstance(p, Shard) and prob and train:
         local.replace_target(node, sharded_dropout, (
             x, prob, train, p.dim, p.layout.size, list(local.specs.ranges(p.layout)[local.rank])))
 

@@ -179,7 +179,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_siz
     return _ReduceScatter.apply(x, dim, width, index, mine, group_size, group)
 
 
-# what each inserted call costs: (forward collectives, backward collectives)
+# what each inserted call costs: (forward collectives, backward collectives); modules with
+# other communicating ops (tpcompile.vocab) register theirs here too
 COLLECTIVE_FNS = {
     all_reduce: (("all_reduce",), ()),
     copy_to_region: ((), ("all_reduce",)),
@@ -192,13 +193,10 @@ COLLECTIVE_FNS = {
 
 def count_collectives(gm) -> dict[str, dict[str, int]]:
     """Collectives one forward and one backward of a rewritten graph issue, by kind."""
-    from tpcompile.vocab import vocab_parallel_cross_entropy
-
-    costs = {**COLLECTIVE_FNS, vocab_parallel_cross_entropy: (("all_reduce", "all_reduce"), ())}
     counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in costs:
-            for phase, kinds in zip(("forward", "backward"), costs[node.target]):
+        if node.op == "call_function" and node.target in COLLECTIVE_FNS:
+            for phase, kinds in zip(("forward", "backward"), COLLECTIVE_FNS[node.target]):
                 for kind in kinds:
                     counts[phase][kind] = counts[phase].get(kind, 0) + 1
     return counts

@@ -28,11 +28,21 @@ class PassRecord:
     after: str = field(repr=False, default="")
 
 
-def run_passes(gm: fx.GraphModule, passes: list[Pass], record: bool = False):
-    """Run ``passes`` on ``gm``; returns ``(gm, records)`` with the code before/after each."""
+def run_passes(gm: fx.GraphModule, passes: list[Pass],
+               record: bool | Callable[[fx.GraphModule], str] = False):
+    """Run ``passes`` on ``gm``; returns ``(gm, records)`` with the code before/after each.
+
+    ``record``: True keeps ``gm.code``; a callable ``gm -> str`` keeps its own rendering (the
+    diff annotates parameter shapes, which ``gm.code`` does not show).
+    """
+    if callable(record):
+        snapshot = record
+    else:
+        def snapshot(g: fx.GraphModule) -> str:
+            return g.code if record else ""
     records = []
     for i, (name, fn) in enumerate(passes):
-        before = gm.code if record else ""
+        before = snapshot(gm)
         start = time.perf_counter()
         try:
             out = fn(gm)
@@ -48,6 +58,5 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], record: bool = False):
                 "  hint: this is a tpcompile bug; please report it with `tpcompile explain` "
                 "output for your model") from e
         gm = out
-        records.append(PassRecord(name, time.perf_counter() - start, before,
-                                  gm.code if record else ""))
+        records.append(PassRecord(name, time.perf_counter() - start, before, snapshot(gm)))
     return gm, records

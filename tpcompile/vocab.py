@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpcompile.collectives import _all_reduce, _c10d
+from tpcompile.collectives import COLLECTIVE_FNS, _all_reduce, _c10d
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "sharded_cross_entropy"]
 
@@ -69,6 +69,10 @@ def vocab_parallel_cross_entropy(logits, target, class_dim: int, start: int, sto
     """
     return _VocabParallelCrossEntropy.apply(logits, target, class_dim, start, stop, reduction,
                                             ignore_index, group)
+
+
+# the max and the (sum of exps, target logit) pair: two all-reduces forward, none backward
+COLLECTIVE_FNS[vocab_parallel_cross_entropy] = (("all_reduce", "all_reduce"), ())
 
 
 def sharded_cross_entropy(tp, local_logits: torch.Tensor, target: torch.Tensor,

@@ -1,0 +1,235 @@
+"""tpcompile.explain on the built-in models, without any process group."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tpcompile
+from tpcompile import models
+from tpcompile.api import plan_model, rewrite
+from tpcompile.passes.materialize import materialize_params_pass
+from tpcompile.collectives import COLLECTIVE_FNS, count_collectives
+from tpcompile.report import SCHEMA, Report
+
+from support import workers
+
+
+def explain_builtin(name, ws, dtype=torch.float32, **overrides):
+    model = models.build(name, **overrides).to(dtype)
+    return tpcompile.explain(model, models.example_inputs(model), ws), model
+
+
+@pytest.fixture(scope="module")
+def llama2():
+    return explain_builtin("llama", 2)[0]
+
+
+@pytest.fixture(scope="module")
+def llama4_bf16():
+    """2 KV heads on 4 ranks (wk / wv replicated in the attention), in bfloat16."""
+    return explain_builtin("llama", 4, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return explain_builtin("gpt2", 2, n_layers=1)
+
+
+def test_llama_style_dim_and_shapes_per_parameter(llama2):
+    p = llama2.params
+    expect = {  # fqn: (style, dim, global, local on rank 0) for dim 64, 8 q / 2 kv heads, hidden 128
+        "layers.0.attention.wq.weight": ("colwise", 0, [64, 64], [32, 64]),
+        "layers.0.attention.wk.weight": ("colwise", 0, [16, 64], [8, 64]),
+        "layers.0.attention.wo.weight": ("rowwise", 1, [64, 64], [64, 32]),
+        "layers.1.feed_forward.w3.weight": ("colwise", 0, [128, 64], [64, 64]),
+        "layers.1.feed_forward.w2.weight": ("rowwise", 1, [64, 128], [64, 64]),
+        "layers.0.ffn_norm.weight": ("replicate", None, [64], [64]),
+        "output.weight": ("replicate", None, [128, 64], [128, 64]),
+    }
+    for fqn, (style, dim, whole, local) in expect.items():
+        assert (p[fqn].style, p[fqn].dim, p[fqn].global_shape, p[fqn].local_shape) == \
+            (style, dim, whole, local), fqn
+    assert p["layers.0.attention.wq.weight"].chain == "layers.0.attention"
+    assert llama2.chains["layers.0.attention"]["summary"] == "wq, wk, wv -> wo"
+    assert p["output.weight"].chain == ""
+    assert "all-gather at output" in p["output.weight"].reason
+    assert not p["rope_cos"].trainable
+
+
+@pytest.mark.parametrize("case", ["llama4_bf16", "gpt2"])
+def test_collectives_are_those_of_the_rewritten_graph(case, request):
+    report, model = request.getfixturevalue(case)
+    gm, _, _ = rewrite(model, models.example_inputs(model), report.world_size, rank=0)
+    assert report.collective_counts() == count_collectives(gm)
+    assert {c.inserted_as for c in report.collectives} == {
+        n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_FNS}
+
+
+def test_collective_bytes_come_from_shapes_and_dtypes(llama4_bf16):
+    report, model = llama4_bf16
+    cfg = model.cfg
+    activation = [2, 16, cfg.dim]  # models.example_inputs: batch 2, sequence 16
+    kinds = {(c.phase, c.op, c.node.split("_")[0]) for c in report.collectives}
+    assert kinds == {("forward", "all_reduce", "linear"), ("backward", "all_reduce", "mul"),
+                     ("backward", "all_reduce", "layers")}
+    for c in report.collectives:
+        assert c.dtype == "bfloat16"
+        assert c.bytes == math.prod(c.shape) * 2
+        if c.node.startswith(("linear", "mul")):  # g after wo / w2, f after the norms
+            assert c.shape == activation
+        else:  # 2 kv heads on 4 ranks: wk / wv replicated, their whole gradients all-reduced
+            assert c.inserted_as.startswith("sync_grad_pieces")
+            assert c.shape == [cfg.n_kv_heads * cfg.dim // cfg.n_heads, cfg.dim]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch's own, from deepcopy of a GraphModule
+def test_parameter_bytes_equal_each_ranks_materialized_shards():
+    overrides = dict(n_layers=1, dim=48, n_heads=6, n_kv_heads=2, hidden=100, vocab=97)
+    report, model = explain_builtin("llama", 4, **overrides)  # uneven: 2, 2, 1, 1 heads
+    cap, plan = plan_model(model, models.example_inputs(model), 4)
+    for rank in range(4):
+        gm = materialize_params_pass(copy.deepcopy(cap.gm), plan, rank)
+        held = sum(p.numel() * p.element_size() for p in gm.parameters())
+        assert report.param_bytes_per_rank[rank] == held
+    assert len(set(report.param_bytes_per_rank)) == 2
+    assert report.param_bytes_total == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_tied_weights_are_counted_once(gpt2):
+    report, model = gpt2
+    assert report.param_bytes_total == sum(p.numel() * 4 for p in model.parameters())
+    assert report.params["lm_head.weight"].aliases == ["wte.weight", "lm_head.weight"]
+    assert str(report).count("wte.weight = lm_head.weight") == 1
+
+
+def test_json_has_the_documented_schema_and_round_trips(llama2):
+    obj = json.loads(llama2.to_json())
+    assert obj["schema"] == SCHEMA and obj["world_size"] == 2
+    for key in ("params", "collectives", "param_bytes_per_rank", "param_bytes_total", "fallbacks",
+                "chains", "kept_replicated", "megatron", "dtensor", "inputs"):
+        assert key in obj, key
+    wq = obj["params"]["layers.0.attention.wq.weight"]
+    assert {"style": "colwise", "dim": 0, "global_shape": [64, 64], "local_shape": [32, 64]}.items() \
+        <= wq.items()
+    assert set(obj["collectives"][0]) >= {"op", "phase", "shape", "bytes", "node"}
+    assert Report.from_json(llama2.to_json()) == llama2
+    with pytest.raises(ValueError, match="schema"):
+        Report.from_json(json.dumps({"schema": "other"}))
+
+
+def test_megatron_bound_is_met_and_exceeded_where_it_should_be(llama2, llama4_bf16):
+    assert [(m.layer, m.bound_forward, m.bound_backward, m.forward, m.backward)
+            for m in llama2.megatron] == [("layers.0", 2, 2, 2, 2), ("layers.1", 2, 2, 2, 2)]
+    assert all(m.bytes == m.bound_bytes == 4 * 2 * 16 * 64 * 4 for m in llama2.megatron)
+    assert "-> at the bound" in str(llama2)
+    # 2 KV heads on 4 ranks: wk / wv gradients are all-reduced too (+2 backward per layer)
+    over = llama4_bf16[0]
+    assert [(m.forward, m.backward) for m in over.megatron] == [(2, 4), (2, 4)]
+    assert "+0 forward, +4 backward collectives, +8,192 bytes" in str(over)
+
+
+def test_fallback_ops_are_named():
+    torch.manual_seed(0)
+    model = workers.SincAttention()
+    report = tpcompile.explain(model, (torch.randn(2, 8, 32),), 2)
+    (fallback,) = report.fallbacks
+    assert fallback["node"].startswith("sinc") and "no sharding rule for sinc" in fallback["reason"]
+    assert fallback["module"] == ""
+    assert any(c.op == "all_gather" and c.phase == "forward" for c in report.collectives)
+    assert f"{fallback['node']} (top level): no sharding rule" in str(report)
+
+
+def test_text_report_has_every_section_and_every_collective(llama2):
+    text = str(llama2)
+    for heading in ("parameters (local shapes on rank 0)", "collectives per training step",
+                    "parameter bytes per rank: 206,080 of 345,344", "fallbacks", "kept replicated",
+                    "Megatron lower bound", "parallelize_module equivalent"):
+        assert heading in text, heading
+    for c in llama2.collectives:
+        assert c.inserted_as in text
+
+
+def test_dtensor_plan_maps_chains_and_says_what_it_cannot_express(llama2, gpt2):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = llama2.to_dtensor_plan()
+    assert isinstance(plan["layers.0.feed_forward.w1"], ColwiseParallel)
+    assert isinstance(plan["layers.0.feed_forward.w2"], RowwiseParallel)
+    assert "layers.0.attention.wq" not in plan  # the model hard-codes n_heads in its views
+    assert "view(B, T, -1, head_dim)" in llama2.not_expressible["layers.0.attention.wq"]
+    with pytest.raises(tpcompile.TPCompileError, match="no parallelize_module equivalent"):
+        llama2.to_dtensor_plan(strict=True)
+
+    assert "per fused chunk" in gpt2[0].not_expressible["blocks.0.attn.c_attn"]
+    assert set(gpt2[0].dtensor_plan) == {"blocks.0.c_fc", "blocks.0.c_proj"}
+    # hidden 30 on 4 ranks: tpcompile's 8, 8, 7, 7 rows are not torch.chunk's 8, 8, 8, 6
+    uneven = explain_builtin("mlp", 4, n_layers=1, dim=20, hidden=30)[0]
+    assert uneven.dtensor_plan == {}
+    assert "sizes 8, 8, 7, 7" in uneven.not_expressible["blocks.0.fc1"]
+    even = explain_builtin("mlp", 2, n_layers=1)[0]
+    assert even.dtensor_plan == {"blocks.0.fc1": "colwise", "blocks.0.fc2": "rowwise"}
+    assert isinstance(even.to_dtensor_plan(strict=True)["blocks.0.fc2"], RowwiseParallel)
+
+
+def test_llama_7b_shaped_model_is_planned_on_meta_tensors():
+    """The 7B shapes (hidden 4096, 32 q / 8 kv heads, SwiGLU 11008, vocab 32000), 1 layer."""
+    cfg = models.ModelConfig(vocab=32000, dim=4096, n_layers=1, n_heads=32, n_kv_heads=8,
+                             hidden=11008, max_seq=128, bias=False)
+    with torch.device("meta"):
+        model = models.Llama(cfg)
+    tokens = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    report = tpcompile.explain(model, (tokens,), 8)
+    assert all(p.is_meta for p in model.parameters())
+    p = report.params
+    assert p["layers.0.attention.wq.weight"].local_shape == [512, 4096]
+    assert p["layers.0.attention.wk.weight"].local_shape == [128, 4096]
+    assert p["layers.0.feed_forward.w2.weight"].local_shape == [4096, 1376]
+    counts = report.collective_counts()
+    assert counts == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    assert {c.bytes for c in report.collectives} == {2 * 128 * 4096 * 4}
+    per_layer = 2 * 4096 * 4096 // 8 + 2 * 1024 * 4096 // 8 + 3 * 11008 * 4096 // 8 + 2 * 4096
+    assert report.param_bytes_per_rank[0] == 4 * (per_layer + 2 * 32000 * 4096 + 4096)
+
+
+class SumExit(nn.Module):
+    """A chain that also leaves through a sum over its sharded features, not a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return x + self.down(h) + h.sum(-1, keepdim=True)
+
+
+class HeadGain(nn.Module):
+    """A trainable per-head-dim gain inside the chain: replicated, its gradient all-reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.gain = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = torch.relu(self.up(x)).view(B, T, -1, 16) * self.gain
+        return x + self.down(h.reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("model,why", [
+    (SumExit, "partial sums of sum_1, which no row-parallel nn.Linear produces"),
+    (HeadGain, "the gradient of gain, a replicated value used inside the chain"),
+])
+def test_dtensor_plan_leaves_out_chains_parallelize_module_would_get_wrong(model, why):
+    report = tpcompile.explain(model(), (torch.randn(2, 8, 16),), 2)
+    assert report.params["up.weight"].style == "colwise"  # tpcompile shards it, correctly
+    assert report.dtensor_plan == {}
+    assert set(report.not_expressible) == {"up", "down"}
+    assert why in report.not_expressible["up"]

@@ -1,0 +1,123 @@
+"""One rank's rewrite taken step by step: what ``explain`` and ``diff`` both read.
+
+``parallelize`` runs capture -> split_bias -> plan -> rewrite in one go. Inspection needs the
+steps apart: the graph as each pass leaves it (for ``diff``), the shape constants a rank gets
+instead of the model's (for the DTensor comparison), and progress lines while a large model
+is traced. Nothing here needs a process group: collectives are inserted into the graph, never
+run, so a laptop can inspect a 64-rank plan of a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from tpcompile.api import rewrite_passes
+from tpcompile.capture import Capture, capture
+from tpcompile.chains import Chain, find_chains
+from tpcompile.errors import TPCompileError
+from tpcompile.pipeline import run_passes
+from tpcompile.plan import ShardingPlan
+from tpcompile.passes.bias import split_bias_pass
+from tpcompile.passes.plan_sharding import plan_sharding
+
+__all__ = ["RewriteTrace", "trace_rewrite", "concrete_shape", "module_path", "source_node"]
+
+
+@dataclass
+class RewriteTrace:
+    model_name: str
+    cap: Capture
+    plan: ShardingPlan
+    gm: fx.GraphModule               # the rank's rewritten graph; nodes keep the capture's meta
+    rank: int
+    stages: list[tuple[str, str]]    # ("capture", rendering), then (pass name, rendering after it)
+    # node -> (constants before, after) where the rank's graph differs from the model's
+    relocalized: dict[str, tuple[list, list]]
+    chains: list[Chain]              # found on the planned graph, before the rewrite
+    chain_of: dict[str, str]         # node name -> its chain's name
+
+
+def _literals(node: fx.Node) -> list:
+    """The non-Node leaves of a node's arguments: the constants a pass may rewrite."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [x for x in leaves if not isinstance(x, fx.Node)]
+
+
+def _tell(progress: Callable[[str], None] | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int = 0, *,
+                  render: Callable[[fx.GraphModule], str] | None = None,
+                  copy_weights: bool = True, group_name: str = "tp",
+                  progress: Callable[[str], None] | None = None) -> RewriteTrace:
+    """Capture, plan for ``world_size`` ranks and rewrite rank ``rank``'s graph.
+
+    ``render``: a ``gm -> str`` snapshot taken after capture and after every pass (the diff's
+    input); None keeps no snapshots. ``copy_weights=False`` skips ``materialize_params``: the
+    report needs the graph, not a copy of every weight of a real 7B model.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise TPCompileError(f"need world_size >= 1 and 0 <= rank < world_size, got world_size "
+                             f"{world_size}, rank {rank}\n  hint: ranks are numbered from 0")
+    name = type(model).__name__
+    n_params = sum(p.numel() for p in model.parameters())
+    _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
+    start = time.perf_counter()
+    cap = capture(model, example_inputs)
+    stages = [("capture", render(cap.gm))] if render else []
+    _tell(progress, f"captured {sum(1 for _ in cap.gm.graph.nodes)} graph nodes in "
+                      f"{time.perf_counter() - start:.1f}s; planning for {world_size} ranks")
+    passes = [("split_bias", split_bias_pass)]
+    gm, records = run_passes(cap.gm, passes, record=render or False)
+    plan = plan_sharding(cap, world_size)
+    chains, chain_of = find_chains(gm, plan)
+    before = {n.name: _literals(n) for n in gm.graph.nodes if n.op == "call_function"}
+    passes = [p for p in rewrite_passes(plan, rank, group_name)
+              if copy_weights or p[0] != "materialize_params"]
+    _tell(progress, f"rewriting the graph of rank {rank}")
+    gm, more = run_passes(gm, passes, record=render or False)
+    stages += [(r.name, r.after) for r in records + more]
+    relocalized = {}
+    for node in gm.graph.nodes:
+        if node.name in before and _literals(node) != before[node.name]:
+            relocalized[node.name] = (before[node.name], _literals(node))
+    return RewriteTrace(name, cap, plan, gm, rank, stages, relocalized, chains, chain_of)
+
+
+def concrete_shape(value) -> list:
+    """A tensor's shape with symbolic sizes replaced by the example inputs' sizes."""
+    out = []
+    for s in value.shape:
+        if isinstance(s, torch.SymInt):
+            hint = s.node.hint
+            s = int(hint) if hint is not None else str(s)
+        out.append(int(s) if isinstance(s, int) else s)
+    return out
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node was traced in ('layers.0.attention.wo'), '' for the top level."""
+    if node.op == "get_attr":
+        return node.target.rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        return path if not path.startswith("_empty_nn_module_stack") else ""
+    return ""
+
+
+def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
+    """The captured node behind a node a pass inserted (a collective's input chain)."""
+    while node.name not in known and node.op == "call_function" and node.args:
+        first = node.args[0]
+        if not isinstance(first, fx.Node):
+            break
+        node = first
+    return node
