@@ -1,0 +1,118 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), reloadable at any world size.
+
+DCP stores each tensor under its *global* shape as a set of chunks (offsets + sizes) and, on
+load, reads whatever overlap each requested chunk has with the stored ones: that is how it
+reshards. It learns a tensor's chunks through the ``_Checkpointable`` protocol
+(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), which DTensor
+implements for its one-chunk-per-rank layouts. tpcompile's layouts are richer (several ranges per
+rank, ranges held by several ranks), so :class:`ShardedParam` implements the protocol directly:
+each :class:`~tpcompile.shards.Piece` of the rank's shard is one chunk. A rank *writes* only the
+pieces it owns (each global index is written once, as DCP's validation requires) and *reads*
+all the pieces it holds. Replicated tensors stay plain tensors, which DCP deduplicates.
+
+The checkpoint is an ordinary DCP checkpoint of the unsharded model: it loads into a
+tensor-parallel module at another world size, into the plain model (``dcp.load(model.
+state_dict(), ...)``), or converts to a ``torch.save`` file
+(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from tpcompile.errors import TPCompileError
+from tpcompile.runtime import TPModule
+from tpcompile.shards import Piece, placements_by_fqn, shard_pieces
+
+__all__ = ["ShardedParam", "sharded_state_dict", "save", "load"]
+
+
+class ShardedParam(torch.Tensor):
+    """A rank's shard presented to DCP as the global tensor it is part of.
+
+    It has the global shape and no data of its own: DCP only asks it for chunks and for views
+    of the local shard (``local``), which it writes from or reads into in place. Any other
+    tensor operation on it is an error.
+    """
+
+    local: torch.Tensor
+    dim: int
+    pieces: tuple[Piece, ...]
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, global_shape, dim: int, pieces: tuple[Piece, ...]):
+        if local.device.type == "meta":
+            raise TPCompileError(
+                "cannot checkpoint meta shards: allocate them first (tpcompile.meta.to_empty)")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(global_shape), dtype=local.dtype, device=local.device)
+        self.local, self.dim, self.pieces = local, dim, pieces
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TPCompileError(
+            f"ShardedParam only describes a shard to torch.distributed.checkpoint; {func} is not "
+            "supported on it (use tp.state_dict() for the local tensors)")
+
+    def __repr__(self) -> str:
+        return (f"ShardedParam(global={tuple(self.shape)}, dim={self.dim}, "
+                f"local={tuple(self.local.shape)}, pieces={len(self.pieces)})")
+
+    def _chunk(self, piece: Piece) -> ChunkStorageMetadata:
+        offsets, sizes = [0] * self.ndim, list(self.shape)
+        offsets[self.dim], sizes[self.dim] = piece.start, piece.size
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    # ---- the _Checkpointable protocol -------------------------------------------------------
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.local)
+        items = []
+        for piece in self.pieces:
+            if not piece.owned:
+                continue  # a lower rank holds it too and writes it
+            chunk = self._chunk(piece)
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.shape)))
+        return items
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk(p) for p in self.pieces]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for piece in self.pieces:
+            if index.offset is not None and index.offset[self.dim] == piece.start:
+                return piece.of_local(self.local, self.dim)
+        raise TPCompileError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
+
+
+def sharded_state_dict(tp: TPModule) -> dict[str, torch.Tensor]:
+    """``tp.state_dict()`` with each sharded tensor wrapped for DCP (the data is shared).
+
+    Pass it to ``dcp.save`` / ``dcp.load`` directly or inside a larger dict (optimizer state,
+    step counters). Loading writes into ``tp``'s parameters in place.
+    """
+    placements = placements_by_fqn(tp.plan)
+    shapes = {n: e.global_shape for e in tp.plan.params.values() for n in e.aliases}
+    out = {}
+    for name, local in tp.state_dict().items():
+        placement = placements.get(name)
+        pieces = shard_pieces(tp.plan, placement, tp.rank)
+        out[name] = local if pieces is None else ShardedParam(local, shapes[name], placement.dim, pieces)
+    return out
+
+
+def save(tp: TPModule, checkpoint_id, **kwargs):
+    """``dcp.save`` of ``tp``'s sharded state dict over its process group (call on every rank)."""
+    return dcp.save(sharded_state_dict(tp), checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+
+
+def load(tp: TPModule, checkpoint_id, **kwargs) -> None:
+    """``dcp.load`` into ``tp``'s shards, from a checkpoint saved at any world size or unsharded."""
+    dcp.load(sharded_state_dict(tp), checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
