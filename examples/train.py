@@ -4,8 +4,8 @@
 
 Builds the model on the meta device (no rank ever holds the whole model), fills the shards
 with the modules' own initialisers (or from --load, a safetensors file of the full model),
-trains with AdamW and global-norm clipping, and saves a sharded checkpoint that loads at any
-world size. Run it again with the same --checkpoint to resume from it.
+trains with AdamW and global-norm clipping, and saves a sharded checkpoint (model and optimizer
+state) that loads at any world size. Run it again with the same --checkpoint to resume.
 """
 
 import argparse
@@ -38,10 +38,9 @@ if args.load:
 else:
     torch.manual_seed(0)  # the same seed on every rank: the shards agree
     tpcompile.init_shards(tp, model, buffers=rope)
-if args.checkpoint and os.path.exists(args.checkpoint):
-    checkpoint.load(tp, args.checkpoint)  # saved at any world size
-
 opt = torch.optim.AdamW(tp.parameters(), lr=1e-2)
+if args.checkpoint and os.path.exists(args.checkpoint):
+    checkpoint.load(tp, args.checkpoint, optimizer=opt)  # saved at any world size
 for step in range(args.steps):
     logits = tp(tokens)
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg["vocab"]), tokens[:, 1:].reshape(-1))
@@ -53,7 +52,7 @@ for step in range(args.steps):
         print(f"step {step:3d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}")
 
 if args.checkpoint:
-    checkpoint.save(tp, args.checkpoint)
+    checkpoint.save(tp, args.checkpoint, optimizer=opt)
 params = sum(t.numel() * t.element_size() for t in tp.state_dict().values())
 print(f"rank {rank}: {params / 2**20:.2f} MiB of parameters, final loss {loss.item():.4f}")
 dist.destroy_process_group()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -27,7 +28,9 @@ from tpcompile.errors import TPCompileError
 from tpcompile.runtime import TPModule
 from tpcompile.shards import Piece, placements_by_fqn, shard_pieces
 
-__all__ = ["ShardedParam", "sharded_state_dict", "save", "load"]
+__all__ = ["ShardedParam", "sharded_state_dict", "sharded_optimizer_state_dict", "save", "load"]
+
+OPTIMIZER_KEY = "optimizer"  # the optimizer's subtree in a checkpoint; the model's keys stay flat
 
 
 class ShardedParam(torch.Tensor):
@@ -92,27 +95,79 @@ class ShardedParam(torch.Tensor):
         raise TPCompileError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
 
 
+def _wrapper(tp: TPModule):
+    """name, local tensor -> what DCP should see: a ShardedParam for sharded tensors."""
+    placements = placements_by_fqn(tp.plan)
+    shapes = {n: e.global_shape for e in tp.plan.params.values() for n in e.aliases}
+
+    def wrap(name: str, local: torch.Tensor) -> torch.Tensor:
+        placement = placements.get(name)
+        pieces = shard_pieces(tp.plan, placement, tp.rank)
+        return local if pieces is None else ShardedParam(local, shapes[name], placement.dim, pieces)
+
+    return wrap
+
+
 def sharded_state_dict(tp: TPModule) -> dict[str, torch.Tensor]:
     """``tp.state_dict()`` with each sharded tensor wrapped for DCP (the data is shared).
 
     Pass it to ``dcp.save`` / ``dcp.load`` directly or inside a larger dict (optimizer state,
     step counters). Loading writes into ``tp``'s parameters in place.
     """
-    placements = placements_by_fqn(tp.plan)
-    shapes = {n: e.global_shape for e in tp.plan.params.values() for n in e.aliases}
-    out = {}
-    for name, local in tp.state_dict().items():
-        placement = placements.get(name)
-        pieces = shard_pieces(tp.plan, placement, tp.rank)
-        out[name] = local if pieces is None else ShardedParam(local, shapes[name], placement.dim, pieces)
-    return out
+    wrap = _wrapper(tp)
+    return {name: wrap(name, local) for name, local in tp.state_dict().items()}
 
 
-def save(tp: TPModule, checkpoint_id, **kwargs):
-    """``dcp.save`` of ``tp``'s sharded state dict over its process group (call on every rank)."""
-    return dcp.save(sharded_state_dict(tp), checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+def sharded_optimizer_state_dict(tp: TPModule, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state keyed by parameter FQN, per-parameter tensors wrapped for DCP.
+
+    Built by ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (which also
+    creates the state of a fresh optimizer, so that it can be loaded into). A state tensor
+    shaped like its sharded parameter (Adam's moments) is sharded like it; scalars such as
+    ``step`` are replicated.
+    """
+    wrap = _wrapper(tp)
+    osd = get_optimizer_state_dict(tp, optimizer)
+    local_shapes = {n: p.shape for n, p in tp.named_parameters()}
+    for name, state in osd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == local_shapes[name]:
+                state[key] = wrap(name, value)
+    return osd
 
 
-def load(tp: TPModule, checkpoint_id, **kwargs) -> None:
-    """``dcp.load`` into ``tp``'s shards, from a checkpoint saved at any world size or unsharded."""
-    dcp.load(sharded_state_dict(tp), checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+def _unwrapped(tree):
+    if isinstance(tree, ShardedParam):
+        return tree.local
+    if isinstance(tree, dict):
+        return {k: _unwrapped(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_unwrapped(v) for v in tree]
+    return tree
+
+
+def _tree(tp: TPModule, optimizer) -> dict:
+    tree = sharded_state_dict(tp)
+    if optimizer is not None:
+        if OPTIMIZER_KEY in tree:
+            raise TPCompileError(f"the model has a tensor named {OPTIMIZER_KEY!r}, which the "
+                                 "checkpoint uses for the optimizer; save the optimizer with dcp yourself")
+        tree[OPTIMIZER_KEY] = sharded_optimizer_state_dict(tp, optimizer)
+    return tree
+
+
+def save(tp: TPModule, checkpoint_id, optimizer: torch.optim.Optimizer | None = None, **kwargs):
+    """``dcp.save`` of ``tp``'s shards (and ``optimizer``'s state) over its process group.
+
+    Call on every rank. The model's tensors are stored under their own FQNs, so the checkpoint
+    also loads into the unsharded model with ``dcp.load(model.state_dict(), ...)``.
+    """
+    return dcp.save(_tree(tp, optimizer), checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+
+
+def load(tp: TPModule, checkpoint_id, optimizer: torch.optim.Optimizer | None = None, **kwargs) -> None:
+    """``dcp.load`` into ``tp``'s shards (and ``optimizer``), from any world size or unsharded."""
+    tree = _tree(tp, optimizer)
+    dcp.load(tree, checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+    if optimizer is not None:
+        set_optimizer_state_dict(tp, optimizer, _unwrapped(tree[OPTIMIZER_KEY]))

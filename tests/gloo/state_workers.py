@@ -203,13 +203,13 @@ def _plain_checkpoint_into_tp(tmp: str) -> dict:
     return out
 
 
-def _clip_checks(group=None) -> dict:
+def _clip_checks() -> dict:
     """Global grad norm and clipped grads of the shards vs torch's on the unsharded model."""
     out = {}
     for name in ("fused_gqa", "llama", "gpt2"):
         model = build(name, seed=6)
         x = inputs_for(model, seed=2)
-        tp = tpcompile.parallelize(model, x, mesh=group)
+        tp = tpcompile.parallelize(model, x)
         ref = copy.deepcopy(model)
         ref(*x).float().pow(2).mean().backward()
         tp(*x).float().pow(2).mean().backward()
@@ -225,6 +225,77 @@ def _clip_checks(group=None) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- training
+MAX_NORM = 1.0
+STEPS = 20
+RESUME_LR = 1e-3  # Adam turns rounding noise into lr-sized steps: keep them below the bound
+
+
+def _batches(vocab: int, steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    data = [torch.randint(0, vocab, (4, 16), generator=g) for _ in range(2)]
+    return [data[i % 2] for i in range(steps)]  # a tiny data set: the loss has to fall
+
+
+def _optimizer(model: nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _ref_clip(model: nn.Module) -> torch.Tensor:
+    return nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+
+
+def _tp_clip(tp) -> torch.Tensor:
+    return tpcompile.clip_grad_norm_(tp, MAX_NORM)
+
+
+def _train(model: nn.Module, clip, batches, bf16: bool = False, opt=None) -> dict:
+    opt = opt or _optimizer(model)
+    losses, norms = [], []
+    for tokens in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(tokens)
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                               tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(clip(model)))
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms}
+
+
+def _resume_save(tmp: str, group2) -> dict:
+    """Ranks 0-1: 3 training steps at 2 ranks, then a checkpoint with the optimizer's state."""
+    model = build("llama", seed=8)
+    batches = _batches(model.cfg.vocab, 5)
+    tp = tpcompile.parallelize(model, (batches[0],), mesh=group2)
+    opt = _optimizer(tp, RESUME_LR)
+    done = _train(tp, _tp_clip, batches[:3], opt=opt)
+    checkpoint.save(tp, os.path.join(tmp, "resume"), optimizer=opt)
+    return done
+
+
+def _resume_2_to_4(tmp: str) -> dict:
+    """4 ranks resume that run (model and AdamW state) for 2 more steps; the unsharded model
+    trains 5 steps straight through. Control: the same resume with a fresh optimizer."""
+    model = build("llama", seed=8)
+    batches = _batches(model.cfg.vocab, 5)
+    ref = copy.deepcopy(model)
+    want = _train(ref, _ref_clip, batches, opt=_optimizer(ref, RESUME_LR))
+    tp = tpcompile.parallelize(build("llama", seed=9), (batches[0],))
+    out = {"want": want["losses"][3:]}
+    for with_state in (True, False):
+        opt = _optimizer(tp, RESUME_LR)
+        checkpoint.load(tp, os.path.join(tmp, "resume"), optimizer=opt if with_state else None)
+        got = _train(tp, _tp_clip, batches[3:], opt=opt)
+        full = tpcompile.gather_state_dict(tp)
+        key = "" if with_state else "_fresh_optimizer"
+        out["losses" + key] = got["losses"]
+        out["param_err" + key] = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    return out
+
+
 def memory_and_checkpoints(rank: int, world_size: int, tmp: str, big_file: str, big_cfg: dict) -> dict:
     """At 4 ranks (and ranks 0-1 as a 2-rank group): peak memory, DCP 2 <-> 4, clipping."""
     assert world_size == 4
@@ -237,8 +308,10 @@ def memory_and_checkpoints(rank: int, world_size: int, tmp: str, big_file: str, 
     out["reshard_4_to_2"] = checked(_reshard_4_to_2, tmp, tps, refs) if rank < 2 else {}
     dist.barrier()
     out["plain"] = checked(_plain_checkpoint_into_tp, tmp)
-    out["clip_ws4"] = checked(_clip_checks)
-    out["clip_ws2"] = checked(_clip_checks, group2) if rank < 2 else {}
+    out["resume_save"] = checked(_resume_save, tmp, group2) if rank < 2 else {}
+    dist.barrier()
+    out["resume"] = checked(_resume_2_to_4, tmp)
+    out["clip"] = checked(_clip_checks)
     dist.barrier()
     return out
 
@@ -288,41 +361,15 @@ def _meta_build(tmp: str) -> dict:
     return out
 
 
-def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
-def _train(model: nn.Module, clip, batches, bf16: bool) -> dict:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, norms = [], []
-    for tokens in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = _loss(model(tokens), tokens)
-        opt.zero_grad()
-        loss.backward()
-        norms.append(float(clip(model)))
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms}
-
-
-MAX_NORM = 1.0
-STEPS = 20
-
-
 def _training() -> dict:
     """20 AdamW steps with global-norm clipping: sharded vs unsharded, fp32 and bf16 autocast."""
     model = build("llama", seed=7)
-    g = torch.Generator().manual_seed(11)
-    data = [torch.randint(0, model.cfg.vocab, (4, 16), generator=g) for _ in range(2)]
-    batches = [data[i % 2] for i in range(STEPS)]  # a tiny data set: the loss has to fall
-    ref_clip = lambda m: nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)  # noqa: E731
-    tp_clip = lambda m: tpcompile.clip_grad_norm_(m, MAX_NORM)  # noqa: E731
-    out = {"ref": _train(copy.deepcopy(model), ref_clip, batches, bf16=False),
-           "ref_bf16": _train(copy.deepcopy(model), ref_clip, batches, bf16=True)}
+    batches = _batches(model.cfg.vocab, STEPS)
+    out = {"ref": _train(copy.deepcopy(model), _ref_clip, batches),
+           "ref_bf16": _train(copy.deepcopy(model), _ref_clip, batches, bf16=True)}
     for bf16 in (False, True):
         tp = tpcompile.parallelize(model, (batches[0],))
-        out["tp_bf16" if bf16 else "tp"] = _train(tp, tp_clip, batches, bf16=bf16)
+        out["tp_bf16" if bf16 else "tp"] = _train(tp, _tp_clip, batches, bf16=bf16)
     return out
 
 

@@ -81,6 +81,25 @@ def test_unsharded_checkpoint_loads_into_shards(four):
         assert _ok(r["plain"])["plain_into_tp"] == []
 
 
+RESUMED_PARAM_TOLERANCE = 1e-3
+
+
+def test_training_resumes_at_another_world_size_with_optimizer_state(four):
+    """3 AdamW steps at 2 ranks, checkpoint (model + optimizer), 2 more steps at 4 ranks ==
+    5 steps of the unsharded model. Parameters: 1e-3 relative (measured 1.1e-4: Adam turns
+    rounding noise in near-zero gradients into lr-sized steps, see check.compare); resuming
+    with a fresh optimizer instead misses by 3e-2 and changes the loss of step 5."""
+    for r in four[:2]:
+        assert len(_ok(r["resume_save"])["losses"]) == 3
+    for r in four:
+        c = _ok(r["resume"])
+        for a, b in zip(c["losses"], c["want"]):
+            assert abs(a - b) <= 1e-4, (a, b)
+        assert c["param_err"] <= RESUMED_PARAM_TOLERANCE
+        assert c["param_err_fresh_optimizer"] >= 10 * RESUMED_PARAM_TOLERANCE
+        assert abs(c["losses_fresh_optimizer"][1] - c["want"][1]) > 1e-2
+
+
 def test_gather_to_one_rank(four):
     for rank, r in enumerate(four):
         for name, c in r["reshard_2_to_4"].items():
@@ -107,10 +126,11 @@ def test_meta_build_peak_memory_stays_near_the_shard(four):
 
 
 # ---------------------------------------------------------------------------- clipping
-@pytest.mark.parametrize("group", ["clip_ws2", "clip_ws4"])
-def test_clip_grad_norm_uses_the_global_norm(four, group):
-    for r in (four[:2] if group == "clip_ws2" else four):
-        for name, c in _ok(r[group]).items():
+def test_clip_grad_norm_uses_the_global_norm(four):
+    """At 4 ranks, where layouts overlap (2 KV heads) and are multi-range (fused GQA); the 2-rank
+    case is checked step by step in the training test."""
+    for r in four:
+        for name, c in _ok(r["clip"]).items():
             assert c["clipping"], name  # max_norm is below the norm: clipping is active
             assert c["norm"] <= 1e-5 and c["inf"] <= 1e-5, (name, c)
             assert c["grads"] <= 1e-5, (name, c)
@@ -142,6 +162,9 @@ def test_twenty_adamw_steps_match_the_unsharded_run(two):
         ref, tp = t["ref"], t["tp"]
         assert ref["losses"][-1] < 0.2 * ref["losses"][0]  # it trains
         assert sum(n > 1.0 for n in ref["norms"]) >= 5  # and clipping is active
+        assert abs(tp["norms"][0] - ref["norms"][0]) <= 1e-5 * ref["norms"][0]  # global norm
+        for a, b in zip(tp["norms"], ref["norms"]):
+            assert abs(a - b) <= 1e-4 * b
         for step, (a, b) in enumerate(zip(tp["losses"], ref["losses"])):
             assert abs(a - b) <= 1e-4, (step, a, b)
 
