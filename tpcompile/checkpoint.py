@@ -149,9 +149,12 @@ def _unwrapped(tree):
 def _tree(tp: TPModule, optimizer) -> dict:
     tree = sharded_state_dict(tp)
     if optimizer is not None:
-        if OPTIMIZER_KEY in tree:
-            raise TPCompileError(f"the model has a tensor named {OPTIMIZER_KEY!r}, which the "
-                                 "checkpoint uses for the optimizer; save the optimizer with dcp yourself")
+        clash = [k for k in tree if k == OPTIMIZER_KEY or k.startswith(OPTIMIZER_KEY + ".")]
+        if clash:
+            raise TPCompileError(
+                f"the model's tensors {clash} would collide with the optimizer's subtree "
+                f"{OPTIMIZER_KEY!r} in the checkpoint; save the optimizer with dcp under a key of "
+                "your own (checkpoint.sharded_optimizer_state_dict)")
         tree[OPTIMIZER_KEY] = sharded_optimizer_state_dict(tp, optimizer)
     return tree
 

@@ -148,3 +148,20 @@ def test_sharded_param_describes_chunks_and_refuses_math(eager, buffers):
     assert not isinstance(sd["norm.weight"], ShardedParam)
     with pytest.raises(tpcompile.TPCompileError, match="only describes a shard"):
         wq + 1
+
+
+def test_checkpoint_refuses_a_model_whose_names_collide_with_the_optimizer(tmp_path):
+    from tpcompile import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.optimizer = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.optimizer(x)
+
+    gm, plan, _ = rewrite(Net(), (torch.randn(2, 4),), 1, 0)
+    tp = TPModule(gm, plan, 0, None)
+    with pytest.raises(tpcompile.TPCompileError, match="collide with the optimizer"):
+        checkpoint.save(tp, tmp_path, optimizer=torch.optim.SGD(tp.parameters(), lr=0.1))
