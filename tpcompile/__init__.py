@@ -1,16 +1,22 @@
 """tpcompile: automatic Megatron-style tensor parallelism for PyTorch, planned on the FX graph."""
 
 from tpcompile.api import parallelize, plan_model
+from tpcompile.checkpoint import sharded_state_dict
 from tpcompile.errors import CaptureError, MeshError, PlanMismatchError, TPCompileError
 from tpcompile.graph_diff import GraphDiff, diff
+from tpcompile.meta import buffers_of, init_shards, to_empty
+from tpcompile.optim import clip_grad_norm_, grad_norm
 from tpcompile.plan import ShardingPlan
 from tpcompile.report import Report, explain
 from tpcompile.runtime import TPModule, gather_full
 from tpcompile.vocab import sharded_cross_entropy
+from tpcompile.state import gather_state_dict, load_full_state_dict
 
 __all__ = [
     "parallelize", "plan_model", "explain", "diff", "Report", "GraphDiff", "ShardingPlan",
     "TPModule", "gather_full", "sharded_cross_entropy",
     "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError",
+    "gather_state_dict", "load_full_state_dict", "sharded_state_dict",
+    "to_empty", "init_shards", "buffers_of", "clip_grad_norm_", "grad_norm",
 ]
 __version__ = "0.1.0"

@@ -28,12 +28,19 @@ class TPModule(nn.Module):
         for name, p in gm.named_parameters(recurse=False):
             self.register_parameter(name, p)
         for name, b in gm.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+            self.register_buffer(name, b, persistent=name not in gm._non_persistent_buffers_set)
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
 
     def forward(self, *args, **kwargs):
         return self.graph_module(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        """``to`` / ``to_empty`` / ``float`` may replace top-level tensors: the graph reads them too."""
+        super()._apply(fn, recurse)
+        self.graph_module._parameters.update(self._parameters)
+        self.graph_module._buffers.update(self._buffers)
+        return self
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, gathered from every rank (a collective: call on all)."""
@@ -54,19 +61,25 @@ class TPModule(nn.Module):
         return None
 
 
-def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group) -> torch.Tensor:
-    """Reassemble a full tensor from every rank's shard (identity for replicated tensors)."""
+def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group,
+                dst: int | None = None) -> torch.Tensor | None:
+    """Reassemble a full tensor from every rank's shard (identity for replicated tensors).
+
+    With ``dst`` (a rank of ``group``) only that rank receives it; the others get None.
+    """
+    if dst is not None and dist.get_rank(group) != dst:
+        if isinstance(placement, Shard):
+            dist.gather(_padded(local, placement, plan), None, group=group, group_dst=dst)
+        return None
     if not isinstance(placement, Shard):
         return local.detach().clone()
-    specs = plan.specs
-    ranges = specs.ranges(placement.layout)
-    width = max(sum(e - s for s, e in r) for r in ranges)
-    moved = local.detach().movedim(placement.dim, 0).contiguous()
-    if moved.shape[0] < width:
-        pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
-        moved = torch.cat([moved, pad])
+    ranges = plan.specs.ranges(placement.layout)
+    moved = _padded(local, placement, plan)
     parts = [torch.empty_like(moved) for _ in ranges]
-    dist.all_gather(parts, moved, group=group)
+    if dst is None:
+        dist.all_gather(parts, moved, group=group)
+    else:
+        dist.gather(moved, parts, group=group, group_dst=dst)
     full = moved.new_empty((placement.layout.size,) + tuple(moved.shape[1:]))
     for part, held in zip(parts, ranges):
         pos = 0
@@ -74,3 +87,13 @@ def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group) -> to
             full[s:e] = part[pos:pos + e - s]
             pos += e - s
     return full.movedim(0, placement.dim)
+
+
+def _padded(local: torch.Tensor, placement: Shard, plan: ShardingPlan) -> torch.Tensor:
+    """The shard with its dim first, zero-padded to the largest shard (collectives need one size)."""
+    width = max(sum(e - s for s, e in r) for r in plan.specs.ranges(placement.layout))
+    moved = local.detach().movedim(placement.dim, 0).contiguous()
+    if moved.shape[0] < width:
+        pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad])
+    return moved

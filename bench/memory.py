@@ -1,0 +1,132 @@
+"""Parameter and activation memory per rank of the built-in models at world sizes 1, 2 and 4.
+
+    python bench/memory.py                 # markdown table on stdout, JSON in bench/results/
+    python bench/memory.py --world-sizes 1 2 --models llama
+
+*Parameter memory*: bytes of this rank's ``tp.state_dict()`` (shards + replicated tensors).
+*Activation memory*: bytes of the tensors autograd saves for backward during one forward, the
+memory a training step holds at the forward/backward boundary. Measured with
+``torch.autograd.graph.saved_tensors_hooks``: each distinct storage counted once, parameter
+storages left out (they are parameter memory). World size 1 is the unsharded model.
+
+Without sequence parallelism the residual stream, norms and embeddings stay replicated, so
+activations shrink less than parameters. The SP column is filled by
+:func:`sequence_parallel_module` once this build can make such a module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+import tpcompile
+from tpcompile import models
+from tpcompile.launch import run_on_ranks
+
+MODELS = ("mlp", "gpt2", "llama")
+# larger than the test fixtures so that activations, not constants, dominate
+CONFIG = {"dim": 256, "hidden": 1024, "n_layers": 2, "n_heads": 8, "vocab": 512, "max_seq": 128}
+BATCH, SEQ = 4, 128
+NOT_AVAILABLE = "n/a (not implemented in this branch)"
+RESULTS = Path(__file__).parent / "results"
+
+
+def saved_activation_bytes(module: torch.nn.Module, inputs: tuple) -> int:
+    """Bytes autograd keeps for backward after one forward of ``module`` (parameters excluded)."""
+    params = {t.untyped_storage().data_ptr() for t in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*inputs)
+    out.float().sum().backward()  # the saved tensors were really needed: run the backward too
+    return sum(seen.values())
+
+
+def sequence_parallel_module(model, inputs):
+    """The sequence-parallel variant of ``model`` to measure, or None where this build has none.
+
+    Hook for the SP column: it uses ``parallelize(..., sequence_parallel=True)`` as soon as
+    ``parallelize`` accepts that keyword.
+    """
+    if "sequence_parallel" not in inspect.signature(tpcompile.parallelize).parameters:
+        return None
+    return tpcompile.parallelize(model, inputs, sequence_parallel=True)
+
+
+def _rank_main(rank: int, world_size: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        model = models.build(name, **CONFIG)
+        inputs = models.example_inputs(model, BATCH, SEQ)
+        tp = tpcompile.parallelize(model, inputs)
+        sp = sequence_parallel_module(model, inputs)
+        out[name] = {
+            "param_bytes": sum(t.numel() * t.element_size() for t in tp.state_dict().values()),
+            "full_param_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+            "activation_bytes": saved_activation_bytes(tp, inputs),
+            "activation_bytes_sp": None if sp is None else saved_activation_bytes(sp, inputs),
+        }
+    return out
+
+
+def measure(world_sizes, names) -> list[dict]:
+    rows = []
+    for ws in world_sizes:
+        per_rank = run_on_ranks(f"{__file__}:_rank_main", ws, list(names))
+        for name in names:
+            r = per_rank[0][name]  # rank 0 holds the most when shards are uneven
+            rows.append({"model": name, "world_size": ws, **r,
+                         "max_param_bytes": max(p[name]["param_bytes"] for p in per_rank),
+                         "max_activation_bytes": max(p[name]["activation_bytes"] for p in per_rank)})
+    return rows
+
+
+def _mib(n) -> str:
+    return NOT_AVAILABLE if n is None else f"{n / 2**20:.2f}"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| model | ranks | parameters / rank (MiB) | of full | activations / rank, no SP (MiB) "
+        "| of ws 1 | activations / rank, SP (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = {r["model"]: r["max_activation_bytes"] for r in rows if r["world_size"] == 1}
+    for r in rows:
+        act_share = (f"{r['max_activation_bytes'] / base[r['model']]:.0%}"
+                     if r["model"] in base else "")
+        lines.append(
+            f"| {r['model']} | {r['world_size']} | {_mib(r['max_param_bytes'])} "
+            f"| {r['max_param_bytes'] / r['full_param_bytes']:.0%} | {_mib(r['max_activation_bytes'])} "
+            f"| {act_share} | {_mib(r['activation_bytes_sp'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    args = parser.parse_args(argv)
+    rows = measure(args.world_sizes, args.models)
+    table = markdown(rows)
+    RESULTS.mkdir(exist_ok=True)
+    setup = {"config": CONFIG, "batch": BATCH, "seq": SEQ, "dtype": "float32",
+             "torch": torch.__version__}
+    (RESULTS / "memory.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
+    (RESULTS / "memory.md").write_text(table + "\n")
+    print(f"batch {BATCH}, seq {SEQ}, config {CONFIG}, float32; the largest rank per row\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
