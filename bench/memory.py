@@ -10,14 +10,13 @@ memory a training step holds at the forward/backward boundary. Measured with
 storages left out (they are parameter memory). World size 1 is the unsharded model.
 
 Without sequence parallelism the residual stream, norms and embeddings stay replicated, so
-activations shrink less than parameters. The SP column is filled by
-:func:`sequence_parallel_module` once this build can make such a module.
+activations shrink less than parameters; with it (``sequence_parallel=True``) they shrink by
+about the world size too. World size 1 has no SP column (there is nothing to shard).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 from pathlib import Path
 
@@ -25,42 +24,15 @@ import torch
 
 import tpcompile
 from tpcompile import models
+from tpcompile.check import saved_activation_bytes
 from tpcompile.launch import run_on_ranks
 
 MODELS = ("mlp", "gpt2", "llama")
 # larger than the test fixtures so that activations, not constants, dominate
 CONFIG = {"dim": 256, "hidden": 1024, "n_layers": 2, "n_heads": 8, "vocab": 512, "max_seq": 128}
 BATCH, SEQ = 4, 128
-NOT_AVAILABLE = "n/a (not implemented in this branch)"
+NOT_AVAILABLE = "-"
 RESULTS = Path(__file__).parent / "results"
-
-
-def saved_activation_bytes(module: torch.nn.Module, inputs: tuple) -> int:
-    """Bytes autograd keeps for backward after one forward of ``module`` (parameters excluded)."""
-    params = {t.untyped_storage().data_ptr() for t in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*inputs)
-    out.float().sum().backward()  # the saved tensors were really needed: run the backward too
-    return sum(seen.values())
-
-
-def sequence_parallel_module(model, inputs):
-    """The sequence-parallel variant of ``model`` to measure, or None where this build has none.
-
-    Hook for the SP column: it uses ``parallelize(..., sequence_parallel=True)`` as soon as
-    ``parallelize`` accepts that keyword.
-    """
-    if "sequence_parallel" not in inspect.signature(tpcompile.parallelize).parameters:
-        return None
-    return tpcompile.parallelize(model, inputs, sequence_parallel=True)
 
 
 def _rank_main(rank: int, world_size: int, names: list[str]) -> dict:
@@ -69,7 +41,7 @@ def _rank_main(rank: int, world_size: int, names: list[str]) -> dict:
         model = models.build(name, **CONFIG)
         inputs = models.example_inputs(model, BATCH, SEQ)
         tp = tpcompile.parallelize(model, inputs)
-        sp = sequence_parallel_module(model, inputs)
+        sp = tpcompile.parallelize(model, inputs, sequence_parallel=True) if world_size > 1 else None
         out[name] = {
             "param_bytes": sum(t.numel() * t.element_size() for t in tp.state_dict().values()),
             "full_param_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),

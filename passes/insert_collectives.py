@@ -24,10 +24,14 @@ __all__ = ["insert_collectives_pass", "gather_args"]
 
 
 def _slices(g: fx.Graph, x: fx.Node, dim: int, pieces: list[tuple[int, int]], full: int):
+    """This rank's pieces of a local tensor, as a fresh tensor: a view would keep the whole
+    (replicated) tensor alive wherever the shard is saved for backward."""
     if pieces == [(0, full)]:
         return x
     parts = [g.call_function(aten.slice.Tensor, (x, dim, s, e)) for s, e in pieces]
-    return parts[0] if len(parts) == 1 else g.call_function(aten.cat.default, (parts, dim))
+    if len(parts) > 1:
+        return g.call_function(aten.cat.default, (parts, dim))
+    return g.call_function(aten.clone.default, (parts[0],))
 
 
 def gather_args(specs: Specs, layout, rank: int, world_size: int):

@@ -17,6 +17,7 @@ is linear in it), ``"unary"`` (one operand) or ``None`` (Partial inputs are all-
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Callable
@@ -138,6 +139,13 @@ def _broadcast_labels(args, out_shape):
             labels.append(None if (isinstance(size, int) and size == 1 and out_shape[o] != 1) else o)
         result.append((a, labels))
     return result
+
+
+def _replicate_all(op):
+    """The op runs on whole tensors: every tensor input is gathered / reduced first."""
+    for a in _tensor_args(op.node):
+        op.require(a, Replicate())
+    return Replicate()
 
 
 def _tensor_args(node):
@@ -336,54 +344,45 @@ def _local_shape_arg(index):
     return localize
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-          localize=_local_shape_arg(1))
-def _view(op):
-    x = op.node.args[0]
-    other = _passthrough_non_shard(op, x)
-    if other is not None:
-        return other
-    p = _shard_of(op, x)
-    src, dst = shape(x), shape(op.node)
-    groups = view_groups(src, dst)
-    for gi, gj in groups or []:
+def _map_view(node, p: Shard):
+    """Where a reshape puts the sharded dim: kept, split (the shard goes to the leading part)
+    or merged (the shard must be the leading dim of the merged group); None otherwise."""
+    src, dst = shape(node.args[0]), shape(node)
+    for gi, gj in view_groups(src, dst) or []:
         if p.dim not in gi:
             continue
         real_in = [d for d in gi if not (isinstance(src[d], int) and src[d] == 1)]
         real_out = [d for d in gj if not (isinstance(dst[d], int) and dst[d] == 1)]
         if not real_out:
-            break
+            return None
         if len(real_in) == 1 and len(real_out) == 1:
             return Shard(real_out[0], p.layout)
         if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
-            inner = 1
-            for d in real_out[1:]:
-                inner *= dst[d]
+            inner = math.prod(dst[d] for d in real_out[1:])
             return Shard(real_out[0], split_layout(p.layout, dst[real_out[0]], inner))
         if len(real_out) == 1 and real_in[0] == p.dim and all(
                 isinstance(src[d], int) for d in real_in[1:]):
-            inner = 1
-            for d in real_in[1:]:
-                inner *= src[d]
-            return Shard(real_out[0], merge_layout(p.layout, inner))
-        break
-    op.require(x, Replicate())
-    return Replicate()
+            return Shard(real_out[0], merge_layout(p.layout, math.prod(src[d] for d in real_in[1:])))
+        return None
+    return None
 
 
-@register(aten.transpose.int, aten.t.default, aten.permute.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
-          aten.slice.Tensor, aten.select.int, aten.repeat_interleave.self_int,
-          aten.unflatten.int, aten.flatten.using_ints,
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+@register(*VIEWS, aten.transpose.int, aten.t.default, aten.permute.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+          aten.expand.default, aten.slice.Tensor, aten.select.int,
+          aten.repeat_interleave.self_int, aten.unflatten.int, aten.flatten.using_ints,
           localize=lambda node, local: _localize_dim_op(node, local))
 def _dim_op(op):
-    """Ops that move, add or drop dims without mixing sharded data across them."""
+    """Ops that move, add, drop or regroup dims without mixing sharded data across them."""
     x = op.node.args[0]
     other = _passthrough_non_shard(op, x)
     if other is not None:
         return other
     p = _shard_of(op, x)
-    mapped = _map_dim(op.node, p)
+    mapped = (_map_view if op.node.target in VIEWS else _map_dim)(op.node, p)
     if mapped is None:
         op.require(x, Replicate())
         return Replicate()
@@ -452,7 +451,7 @@ def _map_dim(node, p: Shard):
 
 
 def _localize_dim_op(node, local):
-    if node.target is aten.expand.default:
+    if node.target in VIEWS or node.target is aten.expand.default:
         _local_shape_arg(1)(node, local)
     elif node.target is aten.unflatten.int:
         dims = local.sharded_out_dims(node)
@@ -555,9 +554,7 @@ def _embedding(op):
         op.require(w, Shard(0, layout))
         op.require(ids, Replicate())
         return Partial()
-    for a in _tensor_args(op.node):
-        op.require(a, Replicate())
-    return Replicate()
+    return _replicate_all(op)
 
 
 def _localize_embedding(node, local):
@@ -582,9 +579,7 @@ def _cross_entropy(op):
             and _contiguous(op, p.layout)):
         op.require(target, Replicate())
         return Replicate()
-    for a in _tensor_args(op.node):
-        op.require(a, Replicate())
-    return Replicate()
+    return _replicate_all(op)
 
 
 def _localize_cross_entropy(node, local):

@@ -20,3 +20,11 @@ _spec.loader.exec_module(workers)
 def launch(function: str, world_size: int, *args, timeout: float = 600.0) -> list:
     """Run ``workers.<function>(rank, world_size, *args)`` on gloo ranks; per-rank results."""
     return run_on_ranks(f"{WORKERS_PATH}:{function}", world_size, *args, timeout=timeout)
+
+
+def cases(results: dict, world_size: int, name) -> list:
+    """Every rank's result for case ``name``; a case that raised on a rank fails the test."""
+    per_rank = [r[name] for r in results[world_size]]
+    for c in per_rank:
+        assert "error" not in c, c.get("error")
+    return per_rank

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from tpcompile.collectives import count_collectives
 
-__all__ = ["Comparison", "compare", "rel_err"]
+__all__ = ["Comparison", "compare", "rel_err", "saved_activation_bytes"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -92,3 +92,24 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
         step_errs = {n: rel_err(full[n][live[n]], t[live[n]]) if n in live else rel_err(full[n], t)
                      for n, t in ref.state_dict().items() if t.is_floating_point()}
     return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module))
+
+
+def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
+    """Bytes autograd keeps for backward after one forward of ``module`` (parameters excluded).
+
+    Each distinct storage is counted once; the backward is run too, so that only tensors it
+    really reads count (``saved_tensors_hooks`` sees every save).
+    """
+    params = {t.untyped_storage().data_ptr() for t in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*inputs)
+    _first(out).float().sum().backward()
+    return sum(seen.values())

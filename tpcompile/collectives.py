@@ -104,41 +104,31 @@ def _take(x: torch.Tensor, dim: int, ranges) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def _own_slice(grad: torch.Tensor, dim: int, mine, keep) -> torch.Tensor:
+    """This rank's ``mine`` ranges of a whole gradient; where ranks overlap only one keeps it."""
+    local = _take(grad, dim, mine)
+    if keep is not None:
+        shape = [1] * local.dim()
+        shape[dim] = -1
+        local = local * torch.tensor(keep, device=grad.device, dtype=grad.dtype).view(shape)
+    return local
+
+
 class _Gather(torch.autograd.Function):
-    """Shard -> Replicate; backward keeps this rank's slice of the (whole) gradient."""
+    """Shard -> Replicate. Backward keeps this rank's slice of the whole gradient; when the
+    result feeds a sharded region (``sum_grads``) the gradient is a per-rank partial sum, so it
+    is summed first (a reduce-scatter: Megatron-SP's all-gather)."""
 
     @staticmethod
-    def forward(ctx, x, dim, width, index, mine, keep, group_size, group):
-        ctx.dim, ctx.mine, ctx.keep = dim, mine, keep
+    def forward(ctx, x, dim, width, index, mine, keep, group_size, group, sum_grads):
+        ctx.dim, ctx.mine, ctx.keep, ctx.group, ctx.sum_grads = dim, mine, keep, group, sum_grads
         return _gather(x, dim, width, index, group_size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        local = _take(grad, ctx.dim, ctx.mine)
-        if ctx.keep is not None:
-            shape = [1] * local.dim()
-            shape[ctx.dim] = -1
-            local = local * torch.tensor(ctx.keep, device=grad.device, dtype=grad.dtype).view(shape)
-        return local, None, None, None, None, None, None, None
-
-
-class _GatherIntoRegion(torch.autograd.Function):
-    """Shard -> Replicate feeding a sharded region: backward sums the partial gradients over
-    ranks and keeps this rank's slice (a reduce-scatter; Megatron-SP's all-gather)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, width, index, mine, keep, group_size, group):
-        ctx.dim, ctx.mine, ctx.keep, ctx.group = dim, mine, keep, group
-        return _gather(x, dim, width, index, group_size, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        local = _take(_all_reduce(grad, ctx.group), ctx.dim, ctx.mine)
-        if ctx.keep is not None:
-            shape = [1] * local.dim()
-            shape[ctx.dim] = -1
-            local = local * torch.tensor(ctx.keep, device=grad.device, dtype=grad.dtype).view(shape)
-        return local, None, None, None, None, None, None, None
+        if ctx.sum_grads:
+            grad = _all_reduce(grad, ctx.group)
+        return (_own_slice(grad, ctx.dim, ctx.mine, ctx.keep),) + (None,) * 8
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -147,7 +137,12 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, width, index, mine, group_size, group):
         ctx.args = (dim, width, index, group_size, group)
-        return _take(_all_reduce(x, group), dim, mine)
+        if index is None:  # even, contiguous shards: a real reduce-scatter (half the bytes)
+            moved = x.movedim(dim, 0).contiguous()
+            out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", group_size, group))
+            return out.movedim(0, dim)
+        # a fresh tensor, not a view: a view would keep the whole sum alive when saved
+        return _take(_all_reduce(x, group), dim, mine).clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -164,13 +159,13 @@ def all_gather(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_s
     backward slice). ``keep``: 0/1 per local position, so that an index held by several ranks
     gets its gradient once; None when no index is shared.
     """
-    return _Gather.apply(x, dim, width, index, mine, keep, group_size, group)
+    return _Gather.apply(x, dim, width, index, mine, keep, group_size, group, False)
 
 
 def gather_into_region(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
                        group: str) -> torch.Tensor:
     """:func:`all_gather` whose result feeds a sharded region (gradients summed on the way back)."""
-    return _GatherIntoRegion.apply(x, dim, width, index, mine, keep, group_size, group)
+    return _Gather.apply(x, dim, width, index, mine, keep, group_size, group, True)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_size: int,
@@ -227,11 +222,7 @@ class _GatheredLinears(torch.autograd.Function):
             g2 = g.reshape(-1, g.shape[-1])
             dx = g @ w if dx is None else dx + g @ w
             out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
-        local = _take(_all_reduce(dx, group), dim, mine)
-        if keep is not None:
-            shape = [1] * local.dim()
-            shape[dim] = -1
-            local = local * torch.tensor(keep, device=dx.device, dtype=dx.dtype).view(shape)
+        local = _own_slice(_all_reduce(dx, group), dim, mine, keep)
         return (local, None, None, None, None, None, None, None, *out)
 
 

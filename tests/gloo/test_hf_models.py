@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import launch
+from support import cases, launch
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
@@ -25,17 +25,10 @@ def results():
     return out
 
 
-def _get(results, ws, case):
-    per_rank = [r[case] for r in results[ws]]
-    for c in per_rank:
-        assert "error" not in c, c.get("error")
-    return per_rank
-
-
 @pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("name", ["llama", "llama_mqa", "gpt2", "bert"])
 def test_logits_and_gradients_match(results, ws, name):
-    for c in _get(results, ws, (name, False)):
+    for c in cases(results, ws, (name, False)):
         assert c["output_err"] <= 1e-5
         worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
@@ -45,7 +38,7 @@ def test_logits_and_gradients_match(results, ws, name):
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_loss_inside_the_model_is_vocabulary_parallel(results, ws, name):
     vocab = 128
-    for c in _get(results, ws, (name, True)):
+    for c in cases(results, ws, (name, True)):
         assert c["loss_err"] <= 1e-5
         worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
@@ -55,7 +48,7 @@ def test_loss_inside_the_model_is_vocabulary_parallel(results, ws, name):
 @pytest.mark.parametrize("ws", [2, 4])
 def test_llama_plan_matches_hf_base_model_tp_plan(results, ws):
     """Same styles as transformers' own ``base_model_tp_plan`` for Llama, found automatically."""
-    styles = _get(results, ws, ("llama", False))[0]["styles"]
+    styles = cases(results, ws, ("llama", False))[0]["styles"]
     hf_plan = transformers.LlamaConfig.base_model_tp_plan
     for layer in range(2):
         for pattern, style in hf_plan.items():
@@ -68,6 +61,6 @@ def test_llama_plan_matches_hf_base_model_tp_plan(results, ws):
 
 def test_uneven_vocab_and_intermediate_on_three_ranks(results):
     """vocab 50257 and intermediate 11008 over 3 ranks: uneven shards, exact results."""
-    for c in _get(results, 3, ("llama_uneven", False)):
+    for c in cases(results, 3, ("llama_uneven", False)):
         assert c["output_err"] <= 1e-5
         assert max(c["grad_errs"].values()) <= 1e-5

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import launch, workers
+from support import cases, launch, workers
 
 pytestmark = pytest.mark.dist
 
@@ -20,18 +20,10 @@ def results():
     return {ws: launch("numerics", ws, sorted(workers.CASES)) for ws in WORLD_SIZES}
 
 
-def _case(results, ws, name, rank=None):
-    per_rank = results[ws]
-    cases = [r[name] for r in per_rank] if rank is None else [per_rank[rank][name]]
-    for c in cases:
-        assert "error" not in c, c.get("error")
-    return cases
-
-
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("name", sorted(workers.CASES))
 def test_outputs_and_gradients_match(results, ws, name):
-    for c in _case(results, ws, name):
+    for c in cases(results, ws, name):
         assert c["output_err"] <= 1e-5
         worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
@@ -41,7 +33,7 @@ def test_outputs_and_gradients_match(results, ws, name):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("name", sorted(workers.CASES))
 def test_three_adamw_steps_match(results, ws, name):
-    for c in _case(results, ws, name):
+    for c in cases(results, ws, name):
         worst = max(c["step_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-4, worst
 
@@ -51,7 +43,7 @@ def test_three_adamw_steps_match(results, ws, name):
                                   "llama_explicit_attention"])
 def test_one_all_reduce_per_block_each_way(results, ws, name):
     """Megatron's count: one all-reduce per attention and per MLP block, forward and backward."""
-    c = _case(results, ws, name, rank=0)[0]
+    c = cases(results, ws, name)[0]
     blocks = c["n_layers"] * (1 if name == "mlp" else 2)
     assert c["collectives"]["forward"] == {"all_reduce": blocks}
     if name.startswith("llama") and ws == 4:
@@ -65,7 +57,7 @@ def test_one_all_reduce_per_block_each_way(results, ws, name):
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_megatron_styles(results, ws):
-    styles = _case(results, ws, "llama", rank=0)[0]["styles"]
+    styles = cases(results, ws, "llama")[0]["styles"]
     for layer in range(2):
         p = f"layers.{layer}."
         assert styles[p + "attention.wq.weight"] == "colwise"
@@ -92,7 +84,7 @@ def test_uneven_shards_are_real_shards(results, ws):
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_unknown_op_is_gathered_visibly(results, ws):
-    c = _case(results, ws, "unknown_op_fallback", rank=0)[0]
+    c = cases(results, ws, "unknown_op_fallback")[0]
     assert "sinc" in c["fallbacks"]
     assert c["styles"]["qkv.weight"] == "colwise" and c["styles"]["proj.weight"] == "rowwise"
     assert c["collectives"]["forward"] == {"all_gather": 1, "all_reduce": 1}

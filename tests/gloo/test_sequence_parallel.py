@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import launch
+from support import cases, launch
 
 pytestmark = pytest.mark.dist
 NAMES = ["mlp", "gpt2", "llama"]
@@ -15,17 +15,10 @@ def results():
     return {ws: launch("sequence_parallel", ws, NAMES) for ws in (2, 4)}
 
 
-def _get(results, ws, name):
-    cases = [r[name] for r in results[ws]]
-    for c in cases:
-        assert "error" not in c, c.get("error")
-    return cases
-
-
 @pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_unsharded(results, ws, name):
-    for c in _get(results, ws, name):
+    for c in cases(results, ws, name):
         cmp = c["cmp"]
         assert cmp.output_err <= 1e-5
         assert cmp.max_grad_err <= 1e-5, max(cmp.grad_errs.items(), key=lambda kv: kv[1])
@@ -41,7 +34,7 @@ def test_megatron_sp_collectives(results, ws, name):
     keeping the gathered input in memory. No activation all-reduce is left; the only
     all-reduces are weight-gradient syncs of replicated weights that now see sequence shards
     (norms, row-parallel biases)."""
-    c = _get(results, ws, name)[0]
+    c = cases(results, ws, name)[0]
     chains = c["n_layers"] * (1 if name == "mlp" else 2)
     fwd, bwd = c["cmp"].collectives["forward"], c["cmp"].collectives["backward"]
     assert fwd == {"all_gather": chains + 1, "reduce_scatter": chains}  # +1: the output
@@ -53,6 +46,6 @@ def test_megatron_sp_collectives(results, ws, name):
 def test_activation_memory_drops(results, ws, name):
     """Saved-for-backward bytes per rank: tensor parallelism shards the chains' insides,
     sequence parallelism the rest (norms, residuals, the chains' inputs)."""
-    c = _get(results, ws, name)[0]
+    c = cases(results, ws, name)[0]
     assert c["saved_sp"] < c["saved_tp"] < c["saved_full"]
     assert c["saved_sp"] <= c["saved_full"] / ws * 1.25

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import launch
+from support import cases, launch
 
 pytestmark = pytest.mark.dist
 WORLD_SIZES = (2, 4)
@@ -16,16 +16,9 @@ def results():
     return {ws: launch("vocab", ws, NAMES) for ws in WORLD_SIZES}
 
 
-def _get(results, ws, name):
-    cases = [r[name] for r in results[ws]]
-    for c in cases:
-        assert "error" not in c, c.get("error")
-    return cases
-
-
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_vocab_parallel_embedding(results, ws):
-    for c in _get(results, ws, "llama_vocab_parallel"):
+    for c in cases(results, ws, "llama_vocab_parallel"):
         cmp, plan = c["cmp"], c["plan"]
         assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
         table = plan.params["tok_embeddings.weight"]
@@ -39,7 +32,7 @@ def test_vocab_parallel_embedding(results, ws):
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_tied_table_is_sharded_once_under_a_traced_loss(results, ws):
-    for c in _get(results, ws, "gpt2_traced_loss"):
+    for c in cases(results, ws, "gpt2_traced_loss"):
         cmp, plan = c["cmp"], c["plan"]
         assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
         (table,) = [p for p in plan.params.values() if "lm.wte.weight" in p.aliases]
@@ -52,7 +45,7 @@ def test_tied_table_is_sharded_once_under_a_traced_loss(results, ws):
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_lm_head_is_column_parallel_into_a_traced_loss(results, ws):
-    for c in _get(results, ws, "llama_traced_loss"):
+    for c in cases(results, ws, "llama_traced_loss"):
         cmp, plan = c["cmp"], c["plan"]
         assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
         assert plan.styles()["lm.output.weight"] == "colwise"
@@ -61,7 +54,7 @@ def test_lm_head_is_column_parallel_into_a_traced_loss(results, ws):
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_loss_parallel_returns_local_logits(results, ws):
-    for c in _get(results, ws, "llama_loss_parallel"):
+    for c in cases(results, ws, "llama_loss_parallel"):
         assert c["loss_err"] <= 1e-5
         assert max(c["grad_errs"].values()) <= 1e-5
         assert c["local_shape"][:2] == (2, 16) and c["local_shape"][2] in (24, 25, 48, 49)

@@ -14,7 +14,7 @@ from torch import nn
 
 import tpcompile
 from tpcompile import models
-from tpcompile.check import compare
+from tpcompile.check import compare, saved_activation_bytes
 
 class SincAttention(nn.Module):
     """Explicit attention with an op tpcompile has no rule for on the head-sharded scores."""
@@ -306,24 +306,6 @@ def hf(rank: int, world_size: int, cases: list[tuple[str, bool]]) -> dict:
 
 # ----------------------------------------------------------------- sequence parallelism
 
-def _saved_activation_bytes(module, inputs) -> int:
-    """Bytes of distinct tensors autograd saves for backward during one forward."""
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(key)
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*inputs)
-    del out
-    return total
-
-
 def sequence_parallel(rank: int, world_size: int, names: list[str]) -> dict:
     out = {}
     for name in names:
@@ -334,9 +316,9 @@ def sequence_parallel(rank: int, world_size: int, names: list[str]) -> dict:
             plain = tpcompile.parallelize(model, x)
             cmp = compare(model, tp, x, steps=3)
             out[name] = {"cmp": cmp, "n_layers": model.cfg.n_layers,
-                         "saved_sp": _saved_activation_bytes(tp, x),
-                         "saved_tp": _saved_activation_bytes(plain, x),
-                         "saved_full": _saved_activation_bytes(model, x)}
+                         "saved_sp": saved_activation_bytes(tp, x),
+                         "saved_tp": saved_activation_bytes(plain, x),
+                         "saved_full": saved_activation_bytes(model, x)}
         except Exception:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc()}
     return out

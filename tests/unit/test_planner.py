@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ from torch import nn
 from tpcompile import ShardingPlan, models
 from tpcompile.api import plan_model
 from tpcompile.placement import Replicate, Shard
+
+from support import workers
 
 
 def plan_for(name, ws, **overrides):
@@ -75,26 +76,8 @@ def test_plan_is_json_and_deterministic():
         a.specs.ranges(a.params["layers.0.attention.wq.weight"].placement.layout)
 
 
-class SincAttention(nn.Module):
-    """Explicit attention with an op the rule table does not know on the sharded scores."""
-
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = torch.sinc(q @ k.transpose(-2, -1) / math.sqrt(C // self.heads))
-        y = att.softmax(-1) @ v
-        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-
-
 def test_unknown_op_on_sharded_data_is_gathered_and_reported():
-    model = SincAttention()
+    model = workers.SincAttention()
     _, plan = plan_model(model, (torch.randn(2, 8, 32),), 2)
     assert plan.styles()["qkv.weight"] == "colwise"
     assert plan.styles()["proj.weight"] == "rowwise"
