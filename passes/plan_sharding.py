@@ -280,6 +280,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
         replicated=dict(constraints.killed),
         options=constraints.options,
         outputs=outputs,
+        notes=cap.notes,
     )
 
 

@@ -12,6 +12,7 @@ the rewritten module accepts other sizes; dimensions the model fixes are special
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import warnings
@@ -37,6 +38,7 @@ class Capture:
     # get_attr targets that are trainable parameters (the rest are buffers / constants)
     params: frozenset[str]
     input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    notes: tuple[str, ...] = ()  # what capture changed about the call (shown by the plan)
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -92,6 +94,25 @@ def _auto(x, static: tuple[int, ...]):
     return None
 
 
+@contextlib.contextmanager
+def _capture_settings(model: nn.Module, notes: list[str]):
+    """Settings a traced training/inference step needs, restored afterwards.
+
+    Hugging Face models return a KV cache object (``DynamicCache``) when ``config.use_cache``
+    is set; it is not a pytree export can return, and a tensor-parallel step has no use for it.
+    """
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+        notes.append("captured with config.use_cache=False: the module returns no KV cache")
+    try:
+        yield
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: tuple[int, ...]):
     shapes = None
     if dynamic:
@@ -117,8 +138,10 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     device = _model_device(model)
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
+    notes: list[str] = []
     try:
-        ep = _export(model, args, kwargs, dynamic, static_dims)
+        with _capture_settings(model, notes):
+            ep = _export(model, args, kwargs, dynamic, static_dims)
     except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
         raise CaptureError(
             f"cannot capture data-dependent control flow at {_user_frame(e)}\n"
@@ -148,7 +171,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
                 params.add(node.target)
     specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor))
-    return Capture(gm, aliases, frozenset(params), specs)
+    return Capture(gm, aliases, frozenset(params), specs, tuple(notes))
 
 
 def _fetch(root: nn.Module, target: str):

@@ -105,6 +105,7 @@ class ShardingPlan:
     replicated: dict[str, str] = field(default_factory=dict)  # weight -> why kept whole
     options: PlanOptions = PlanOptions()
     outputs: tuple = ()                    # placement of each flat graph output
+    notes: tuple[str, ...] = ()            # what capture changed about the call
 
     def output_layouts(self) -> dict[int, Layout]:
         """Flat outputs left sharded on their last dim (``loss_parallel``): index -> layout."""
@@ -137,6 +138,7 @@ class ShardingPlan:
             "replicated": self.replicated,
             "options": asdict(self.options),
             "outputs": placement_to_json(list(self.outputs)),
+            "notes": list(self.notes),
         }
         return json.dumps(obj, sort_keys=True)
 
@@ -166,6 +168,7 @@ class ShardingPlan:
             replicated=obj["replicated"],
             options=PlanOptions(**obj.get("options", {})),
             outputs=tuple(placement_from_json(obj.get("outputs", []))),
+            notes=tuple(obj.get("notes", ())),
         )
 
     # ------------------------------------------------------------------ printing
@@ -186,4 +189,5 @@ class ShardingPlan:
             lines.append(f"  kept replicated: {name}: {why}")
         for name, why in sorted(self.fallbacks.items()):
             lines.append(f"  fallback: {name}: {why}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

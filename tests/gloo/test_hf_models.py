@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 CASES = [("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
+         ("bert_model", False),
          ("llama", True), ("gpt2", True), ("bert", True)]
 
 
@@ -26,7 +27,7 @@ def results():
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-@pytest.mark.parametrize("name", ["llama", "llama_mqa", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "llama_mqa", "gpt2", "bert", "bert_model"])
 def test_logits_and_gradients_match(results, ws, name):
     for c in cases(results, ws, (name, False)):
         assert c["output_err"] <= 1e-5
@@ -64,3 +65,9 @@ def test_uneven_vocab_and_intermediate_on_three_ranks(results):
     for c in cases(results, 3, ("llama_uneven", False)):
         assert c["output_err"] <= 1e-5
         assert max(c["grad_errs"].values()) <= 1e-5
+
+
+def test_kv_cache_is_switched_off_for_capture_and_restored(results):
+    c = cases(results, 2, ("llama", False))[0]
+    assert c["notes"] == ("captured with config.use_cache=False: the module returns no KV cache",)
+    assert c["use_cache_after"] is True  # the user's config is left as it was

@@ -252,18 +252,17 @@ def hf_model(name: str):
         vocab, inter = (50257, 11008) if name == "llama_uneven" else (128, 128)
         cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=inter,
                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
-                             use_cache=False, **small)
+                             **small)  # use_cache stays True: tpcompile captures without it
         return tf.LlamaForCausalLM(cfg)
     if name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
-                            use_cache=False, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                            bos_token_id=0, eos_token_id=0)
+                            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0,
+                            eos_token_id=0)
         return tf.GPT2LMHeadModel(cfg)
-    assert name == "bert"
     cfg = tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                         intermediate_size=128, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
                         **small)
-    return tf.BertForMaskedLM(cfg)
+    return tf.BertModel(cfg) if name == "bert_model" else tf.BertForMaskedLM(cfg)
 
 
 def _hf_case(name: str, with_labels: bool) -> dict:
@@ -279,7 +278,8 @@ def _hf_case(name: str, with_labels: bool) -> dict:
         tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw)
         cmp = compare(model, tp, (ids,), kwargs=kw)
         return {"output_err": cmp.output_err, "grad_errs": cmp.grad_errs,
-                "collectives": cmp.collectives, "styles": tp.plan.styles()}
+                "collectives": cmp.collectives, "styles": tp.plan.styles(),
+                "notes": tp.plan.notes, "use_cache_after": getattr(model.config, "use_cache", None)}
     kw["labels"] = ids.clone()
     tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw, loss_parallel=True,
                                vocab_parallel=True)
