@@ -32,8 +32,9 @@ raises "shape '[2, 8, 4, 8]' is invalid for input of size 256" in Dynamo's fake-
 
 Fallbacks (recorded, never wrong): a forward that Dynamo splits across graphs (a graph break,
 e.g. a Python ``if`` on a tensor's value), that torch.export cannot capture, that takes
-non-tensor arguments other than their defaults, or whose plan shards nothing runs replicated:
-its graphs go to inductor unchanged. :attr:`TPCompileBackend.report` says which and why.
+non-tensor arguments other than their defaults, that runs without a process group, or whose
+plan shards nothing runs replicated: its graphs go to inductor unchanged.
+:attr:`TPCompileBackend.report` says which and why (``explain()`` prints it).
 """
 
 from __future__ import annotations
@@ -221,7 +222,10 @@ def _frame_call():
     from torch._dynamo.external_utils import wrap_inline
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    tx = InstructionTranslator.current_tx()
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # called outside a Dynamo compile (e.g. on a hand-made graph)
+        return None, None
     code, scope = getattr(tx, "f_code", None), getattr(getattr(tx, "output", None), "local_scope", {})
     if code is None:
         return None, None

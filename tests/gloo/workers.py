@@ -326,9 +326,9 @@ def compiled(rank: int, world_size: int, names: list[str], dynamic: str | None) 
     """Every compile check for one world size; ``dynamic``: the model compiled with marked dims."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    # path 1 compiles the static graphs the backend compiles later with the same options, so
-    # the backend's come from inductor's FX graph cache
-    jobs = {f"tp_{n}": (_compiled_tp, n, False, None) for n in names}
+    # path 1 compiles the static graphs the backend compiles later with the same options
+    # (OVERLAP_DEFAULT is off), so the backend's come from inductor's FX graph cache
+    jobs = {f"tp_{n}": (_compiled_tp, n, False, False) for n in names}
     if dynamic:
         jobs["tp_dynamic"] = (_compiled_tp, dynamic, True, True)
     # the mlp through a configured backend object, the others through the registered name
