@@ -14,7 +14,7 @@ from torch import fx, nn
 from tpcompile.placement import Shard
 from tpcompile.plan import ShardingPlan
 
-__all__ = ["materialize_params_pass", "take_shard"]
+__all__ = ["materialize_params_pass", "take_shard", "set_tensor"]
 
 
 def take_shard(t: torch.Tensor, placement, specs, rank: int) -> torch.Tensor:
@@ -26,7 +26,8 @@ def take_shard(t: torch.Tensor, placement, specs, rank: int) -> torch.Tensor:
     return torch.cat(pieces, placement.dim) if pieces else t.detach().narrow(placement.dim, 0, 0).clone()
 
 
-def _set(root: nn.Module, fqn: str, value) -> None:
+def set_tensor(root: nn.Module, fqn: str, value) -> None:
+    """Put ``value`` (a Parameter or buffer) at ``fqn`` under ``root``, replacing the old one."""
     owner, _, leaf = fqn.rpartition(".")
     mod = root.get_submodule(owner) if owner else root
     if isinstance(value, nn.Parameter):
@@ -56,5 +57,5 @@ def materialize_params_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int) -
         if isinstance(t, nn.Parameter):
             local = nn.Parameter(local, requires_grad=t.requires_grad)
         for n in names:
-            _set(gm, n, local)
+            set_tensor(gm, n, local)
     return gm

@@ -14,6 +14,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -32,6 +33,7 @@ def _resolve(target: str):
     if where.endswith(".py"):
         spec = importlib.util.spec_from_file_location(f"_tpcompile_rank_{abs(hash(where))}", where)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # as import does: dataclasses look their module up
         spec.loader.exec_module(module)
     else:
         module = importlib.import_module(where)

@@ -14,7 +14,7 @@ from torch import nn
 
 import tpcompile
 from tpcompile import models
-from tpcompile.check import compare, saved_activation_bytes
+from tpcompile.check import compare, rel_err, saved_activation_bytes
 
 class SincAttention(nn.Module):
     """Explicit attention with an op tpcompile has no rule for on the head-sharded scores."""
@@ -165,7 +165,6 @@ def _labels(ids):
 
 
 def _vocab_case(name: str) -> dict:
-    from tpcompile.check import rel_err
 
     if name == "llama_vocab_parallel":
         model = models.build("llama", vocab=97)
@@ -210,7 +209,6 @@ def dropout(rank: int, world_size: int) -> dict:
     SDPA's internal dropout keeps replicas and the default generator consistent."""
     import copy
     import torch.distributed as dist
-    from tpcompile.check import rel_err
 
     out = {}
     for sdpa in (False, True):
@@ -266,7 +264,6 @@ def hf_model(name: str):
 
 
 def _hf_case(name: str, with_labels: bool) -> dict:
-    from tpcompile.check import rel_err
 
     model = hf_model(name).eval()
     vocab = model.config.vocab_size
@@ -386,7 +383,6 @@ def dtensor_equivalence(rank: int, world_size: int, names: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpcompile.check import rel_err
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
@@ -418,4 +414,206 @@ def dtensor_equivalence(rank: int, world_size: int, names: list[str]) -> dict:
             }
         except Exception:  # noqa: BLE001 - reported per case by the test
             out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+# --------------------------------------------------------------------------- torch.compile
+# One spawn per world size runs every compile check (test_compile.py): compiling costs seconds
+# per graph on 2 cores, so the models are tiny and each graph is compiled once.
+
+def tiny(name: str) -> nn.Module:
+    return models.build(name, n_layers=1, dim=32, hidden=64, n_heads=4, n_kv_heads=2)
+
+
+class Branchy(nn.Module):
+    """Linear -> GELU -> Linear with a Python `if` on a tensor's value in between."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if h.sum() > 0:  # data-dependent: Dynamo splits the fc1 -> fc2 chain here
+            h = h * 2
+        return self.fc2(h)
+
+
+class BackendView:
+    """What ``compare`` needs of a model compiled with the backend: calls go through the
+    compiled model, everything else (full_grads, parameters, ...) to the TPModule swapped in."""
+
+    def __init__(self, step, model):
+        self.step, self.model = step, model
+
+    def __call__(self, *args):
+        return self.step(*args)
+
+    def __getattr__(self, name):
+        return getattr(tpcompile.parallelized(self.model), name)
+
+
+def _phases(codes: list[str]) -> dict:
+    from tpcompile.inductor import collectives_in_code
+
+    fw = [c for c in codes if "tangents_" not in c]
+    bw = [c for c in codes if "tangents_" in c]
+    return {"n_codes": len(codes), "forward": collectives_in_code(fw[0]) if fw else None,
+            "backward": collectives_in_code(bw[0]) if bw else None,
+            "in_flight": matmuls_in_flight(bw[0]) if bw else []}
+
+
+def matmuls_in_flight(code: str) -> list[int]:
+    """Per collective of a generated module: matmuls issued before its result is waited for."""
+    out, open_ = [], []
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith("torch.ops._c10d_functional.wait_tensor"):
+            if open_:
+                out.append(open_.pop(0))
+        elif line.startswith("torch.ops._c10d_functional."):
+            open_.append(0)
+        elif line.startswith(("extern_kernels.mm(", "extern_kernels.addmm(", "extern_kernels.bmm(")):
+            open_ = [n + 1 for n in open_]
+    return out
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _calls_at_shapes(step, model, shapes) -> dict:
+    """(batch, seq) -> (error vs the unsharded model, graphs compiled by that call)."""
+    out = {}
+    for b, s in shapes:
+        x = models.example_inputs(model, b, s, seed=b * 100 + s)
+        before = _graphs()
+        y = step(*x)
+        out[(b, s)] = (rel_err(y, model(*x)), _graphs() - before)
+    return out
+
+
+def _comparison(result) -> dict:
+    return {"output_err": result.output_err, "grad_errs": result.grad_errs,
+            "step_errs": result.step_errs, "planned": result.collectives}
+
+
+def _compiled_tp(name: str, dynamic: bool, overlap: bool | None) -> dict:
+    """Path 1: torch.compile(parallelize(model), fullgraph=True): code, shapes, 3 AdamW steps.
+
+    With ``dynamic`` the first call's dims are marked: other batch sizes and sequence lengths
+    reuse its graph. Without, repeated calls at the compiled shape reuse it.
+    """
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny(name)
+    inputs = models.example_inputs(model, 2, 8)
+    tp = tpcompile.parallelize(model, inputs)
+    if dynamic:
+        tpcompile.mark_dynamic(tp, *inputs)
+    step = torch.compile(tp, fullgraph=True, options=tpcompile.compile_options(overlap))
+    _, codes = run_and_get_code(compare, model, step, inputs)
+    shapes = [(2, 8), (3, 8), (2, 12), (4, 16), (1, 8), (1, 5)] if dynamic else [(2, 8), (2, 8)]
+    out = {**_phases(codes), "calls": _calls_at_shapes(step, model, shapes)}
+    tp.zero_grad()
+    return {**out, **_comparison(compare(model, step, inputs, steps=3))}
+
+
+def _compiled_by_backend(name: str, backend) -> dict:
+    """Path 2: torch.compile(model, backend=...): first call exact, then 3 AdamW steps."""
+    import copy
+    import gc
+    import weakref
+
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny(name)
+    reference = copy.deepcopy(model)
+    inputs = models.example_inputs(model, 2, 8)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    originals = [weakref.ref(p) for p in model.parameters()]
+    graphs = _graphs()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # built too early: must refuse to step
+    step = torch.compile(model, backend=backend)
+    first = step(*inputs)
+    first.float().pow(2).sum().backward()
+    try:
+        stale.step()
+        refused = "stepped"
+    except tpcompile.TPCompileError as e:
+        refused = str(e)
+    ref = reference(*inputs)
+    ref.float().pow(2).sum().backward()
+    tp = tpcompile.parallelized(model)
+    grads = tp.full_grads()
+    first_errs = {"output": rel_err(first, ref)}
+    first_errs.update({n: rel_err(grads[n], p.grad) for n, p in reference.named_parameters()})
+    model.zero_grad()
+    reference.zero_grad()
+    del stale
+    gc.collect()
+    result, codes = run_and_get_code(compare, reference, BackendView(step, model), inputs, 3)
+    local = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    named = dict(model.named_parameters())
+    planned = {n: p.local_shapes[tp.rank] for n, p in tp.plan.params.items()
+               if any(a in named for a in p.aliases)}  # tied weights: one entry, two names
+    return {**_comparison(result), **_phases(codes), "first_errs": first_errs,
+            "graphs": _graphs() - graphs, "param_bytes": sum(local.values()),
+            "planned_bytes": sum(math.prod(s) * 4 for s in planned.values()),
+            "full_bytes": full_bytes, "originals_alive": sum(r() is not None for r in originals),
+            "stale_optimizer": refused,
+            "report": [str(r) for r in backend_report(backend)]}
+
+
+def backend_report(backend):
+    from tpcompile.dynamo_backend import tpcompile_backend
+
+    return (tpcompile_backend if backend == "tpcompile" else backend).report
+
+
+def _graph_break(backend) -> dict:
+    """A chain split by a graph break runs replicated and exact; the report says why."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    step = torch.compile(model, backend=backend)
+    errs = {}
+    for i in range(2):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i))
+        out, ref = step(x), reference(x)
+        out.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        errs[f"output_{i}"] = rel_err(out, ref)
+    errs.update({n: rel_err(p.grad, r.grad) for (n, p), r in
+                 zip(model.named_parameters(), reference.parameters())})
+    return {"errs": errs, "shapes_kept": {n: tuple(p.shape) for n, p in model.named_parameters()} == full,
+            "parallelized": tpcompile.parallelized(model) is not None,
+            "report": [str(r) for r in backend_report(backend) if r.module == "Branchy"]}
+
+
+def compiled(rank: int, world_size: int, names: list[str], dynamic: str | None) -> dict:
+    """Every compile check for one world size; ``dynamic``: the model compiled with marked dims."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # path 1 compiles the static graphs the backend compiles later with the same options
+    # (OVERLAP_DEFAULT is off), so the backend's come from inductor's FX graph cache
+    jobs = {f"tp_{n}": (_compiled_tp, n, False, False) for n in names}
+    if dynamic:
+        jobs["tp_dynamic"] = (_compiled_tp, dynamic, True, True)
+    # the mlp through a configured backend object, the others through the registered name
+    configured = tpcompile.backend(mesh=init_device_mesh("cpu", (world_size,)))
+    jobs.update({f"backend_{n}": (_compiled_by_backend, n, configured if n == "mlp" else "tpcompile")
+                 for n in names})
+    jobs["graph_break"] = (_graph_break, "tpcompile")
+    out = {}
+    for key, (fn, *args) in jobs.items():
+        try:
+            out[key] = fn(*args)
+        except Exception:  # noqa: BLE001 - reported per case by the test
+            out[key] = {"error": traceback.format_exc()}
     return out
