@@ -153,12 +153,22 @@ def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
     return out
 
 
+def _floating(v) -> bool:
+    """A floating tensor, or a multi-output op's list holding one (split, chunk, unbind)."""
+    if isinstance(v, (list, tuple)):
+        return any(_floating(x) for x in v)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
 def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
-    """Values that may carry a gradient: floating tensors downstream of params or inputs."""
+    """Values that may carry a gradient: floating tensors downstream of params or inputs.
+
+    A split's output list carries them through to its getitems; without it, a value reached
+    only through a fused qkv split would lose its gradient all-reduce (Megatron f).
+    """
     out = set()
     for node in gm.graph.nodes:
-        v = val(node)
-        if not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+        if not _floating(val(node)):
             continue
         if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
             out.add(node)
@@ -202,6 +212,20 @@ def _grad_syncs(gm, state: Propagation, needs_grad: set) -> list[str]:
     return out
 
 
+def _partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:
+    """Whether the replicated value a conversion produces is differentiated partially per rank.
+
+    A gather whose result a sharded op reads, and a re-shard (S -> S on another dim or layout:
+    gathered whole, then sliced per rank) both hand each rank's slice of the gradient back to
+    a replicated value: the gather's backward must sum those over ranks.
+    """
+    src = state.placements.get(value)
+    if isinstance(dst, Shard):
+        return isinstance(src, Shard) and (
+            src.dim != dst.dim or not state.specs.contains(src.layout, dst.layout))
+    return isinstance(dst, Replicate) and _is_distributed(state.placements.get(user))
+
+
 def _style(node: fx.Node, state: Propagation) -> str:
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
@@ -220,7 +244,7 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
     return tuple(s)
 
 
-def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture) -> str:
+def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: int) -> str:
     users = list(node.users)
     if node.target not in cap.params:
         return "buffer"
@@ -229,6 +253,8 @@ def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture) -> s
     if len(users) > 1:
         return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
     user = users[0] if users else None
+    if user is not None and user.target is torch.ops.aten.linear.default and shape(node)[0] < ws:
+        return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
     if user is not None and user.target in PARAM_MATMULS:
         return "its matmul's input is not sharded on a dim it can split"
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
@@ -252,7 +278,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
         elif style == "replicate":
-            reason = _replicated_reason(node, constraints.killed, cap)
+            reason = _replicated_reason(node, constraints.killed, cap, ws)
         else:
             user = next(iter(node.users))
             reason = f"{style} in {user.name}" + (
@@ -265,8 +291,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
             grad_sync=grad_sync, reason=reason)
     conversions = tuple(
         Conversion(value.name, user.name, state.placements.get(value), dst,
-                   sum_grads=(value in needs_grad and isinstance(dst, Replicate)
-                              and _is_distributed(state.placements.get(user))))
+                   sum_grads=value in needs_grad and _partial_grads(state, value, user, dst))
         for (value, user), dst in state.conversions.items())
     used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
     outputs = tuple(_consumed(state, a, state.output) for a in state.output.all_input_nodes)

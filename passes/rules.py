@@ -173,7 +173,7 @@ POINTWISE = [
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
-    aten.view_as_real.default, aten.view_as_complex.default, aten.gelu_.default,
+    aten.gelu_.default,
 ]
 register(*UNARY_LINEAR)(_pointwise("unary"))
 
@@ -191,6 +191,16 @@ register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
 register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
+
+
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view(op):
+    """``(..., 2)`` real <-> ``(...)`` complex: the leading dims keep their positions (they are
+    not broadcast-aligned from the right); a shard of the real/imaginary pair is gathered."""
+    x = op.node.args[0]
+    lead = min(len(shape(x)), len(shape(op.node)))
+    return einsum_rule(op, [(x, list(range(lead)) + [None] * (len(shape(x)) - lead))],
+                       list(range(lead)) + ["pair"] * (len(shape(op.node)) - lead), "unary")
 
 
 # --------------------------------------------------------------------------- matmuls
@@ -248,8 +258,11 @@ def _sdpa(op):
     mask = op.node.args[3] if len(op.node.args) > 3 else op.node.kwargs.get("attn_mask")
     hq, hk = shape(q)[-3], shape(k)[-3]
     pq = op.placement(q)
+    causal = op.node.args[5] if len(op.node.args) > 5 else op.node.kwargs.get("is_causal", False)
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
-        operands = [(q, ["b", "h", "l", "e"]), (k, ["b", "h", "s", "e"]),
+        # is_causal masks by *local* query index: query rows cut by position (sequence
+        # parallelism) would each be masked as if they started at 0, so they are gathered
+        operands = [(q, ["b", "h", None if causal else "l", "e"]), (k, ["b", "h", "s", "e"]),
                     (v, ["b", "h", "s", "f"])]
         if isinstance(mask, fx.Node):
             names = ["b", "h", "l", "s"][4 - len(shape(mask)):]
@@ -438,8 +451,9 @@ def _map_dim(node, p: Shard):
         for s in sizes[1:]:
             inner *= s
         return Shard(d, split_layout(p.layout, p.layout.size // inner, inner))
-    if t is aten.flatten.using_ints:
-        a, b = norm_dim(args[1], n_in), norm_dim(args[2], n_in)
+    if t is aten.flatten.using_ints:  # start_dim and end_dim default to 0 and -1
+        a = norm_dim(args[1] if len(args) > 1 else 0, n_in)
+        b = norm_dim(args[2] if len(args) > 2 else -1, n_in)
         if d < a or d > b:
             return Shard(d - (b - a) * (d > b), p.layout)
         if d != a or any(not isinstance(s, int) for s in shape(args[0])[a + 1:b + 1]):
