@@ -2,7 +2,9 @@
 
 from tpcompile.api import parallelize, plan_model
 from tpcompile.checkpoint import sharded_state_dict
-from tpcompile.errors import CaptureError, MeshError, PlanMismatchError, TPCompileError
+from tpcompile.errors import (
+    CaptureError, CollectiveError, InputError, MeshError, PlanError, PlanMismatchError, TPCompileError,
+)
 from tpcompile.graph_diff import GraphDiff, diff
 from tpcompile.meta import buffers_of, init_shards, to_empty
 from tpcompile.optim import clip_grad_norm_, grad_norm
@@ -15,7 +17,8 @@ from tpcompile.state import gather_state_dict, load_full_state_dict
 __all__ = [
     "parallelize", "plan_model", "explain", "diff", "Report", "GraphDiff", "ShardingPlan",
     "TPModule", "gather_full", "sharded_cross_entropy",
-    "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError",
+    "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError", "PlanError", "InputError",
+    "CollectiveError",
     "gather_state_dict", "load_full_state_dict", "sharded_state_dict",
     "to_empty", "init_shards", "buffers_of", "clip_grad_norm_", "grad_norm",
 ]
