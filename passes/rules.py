@@ -579,7 +579,8 @@ def _localize_embedding(node, local):
     if isinstance(p, Shard):
         (start, stop), = local.specs.ranges(p.layout)[local.rank]
         pad = node.args[2] if len(node.args) > 2 else -1
-        local.replace_target(node, vocab_parallel_embedding, (node.args[0], node.args[1], start, stop, pad))
+        local.replace_target(node, vocab_parallel_embedding,
+                             (node.args[0], node.args[1], start, stop, pad, p.layout.size))
 
 
 @register(aten.cross_entropy_loss.default,
@@ -612,4 +613,5 @@ def _localize_cross_entropy(node, local):
     ignore_index = node.kwargs.get("ignore_index", args[4])
     node.kwargs = {}
     local.replace_target(node, vocab_parallel_cross_entropy,
-                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group))
+                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group,
+                          p.layout.size))
