@@ -10,6 +10,8 @@
    result by itself (a row-parallel matmul, a vocabulary-parallel loss or embedding). A
    region that never does, or that leaks sharded data into ops needing whole rows (a norm over
    features, a gathered graph output), is killed: its roots stay replicated, propagation reruns.
+   An in-place write (slice assignment) into sharded data that would land on a copy keeps
+   that data's roots replicated too (see :mod:`tpcompile.passes.mutations`).
 3. *Tied tables*: a weight sharded by a column-parallel LM head that an embedding also reads
    makes that embedding vocabulary-parallel too, so the table is sharded once. *Early
    reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
@@ -35,6 +37,7 @@ from tpcompile.errors import TPCompileError
 from tpcompile.placement import Partial, Replicate, Shard, Specs
 from tpcompile.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.dims import shape, val
+from tpcompile.passes.mutations import check_mutations, write_conflicts
 from tpcompile.passes.propagate import (
     PARAM_MATMULS, Constraints, Propagation, _same, propagate,
 )
@@ -65,12 +68,15 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
             constraints.reduce_early |= early
             continue
         dead = _dead_regions(state, options)
+        dead.update((r, why) for r, why in _written_copies(gm, state).items() if r not in dead)
         if not dead:
             break
         constraints.killed.update(dead)
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
-    return _freeze(cap, state, constraints, world_size)
+    plan = _freeze(cap, state, constraints, world_size)
+    check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
+    return plan
 
 
 def _sequence_length(cap: Capture, options: PlanOptions) -> int | None:
@@ -122,6 +128,33 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
         for root in component:
             dead[root] = why
     return dead
+
+
+def _written_copies(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+    """Roots whose sharded data an in-place op would write on a copy of: root -> why.
+
+    Keeping them replicated makes the write land where the unsharded model's does.
+    """
+    out = {}
+    for c in write_conflicts(gm, lambda value, user: (value, user) in state.conversions):
+        for node in [c.edge[0]] + c.chain:
+            for root in _roots_behind(state, node, set()):
+                out.setdefault(root, f"{c.op.name} ({c.op.target}) writes into its sharded data "
+                                     "in place; sharded, the write would land on a copy")
+    return out
+
+
+def _roots_behind(state: Propagation, node: fx.Node, seen: set) -> set[str]:
+    """The roots a value's distributed placement comes from (a partial sum: its inputs')."""
+    if node in seen:
+        return set()
+    seen.add(node)
+    p = state.placements.get(node)
+    if isinstance(p, Shard):
+        return {p.layout.root}
+    if isinstance(p, (Partial, list, tuple)):
+        return set().union(*(_roots_behind(state, a, seen) for a in node.all_input_nodes))
+    return set()
 
 
 def _mixed_partials(state: Propagation) -> set[str]:

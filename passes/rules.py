@@ -173,7 +173,6 @@ POINTWISE = [
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
-    aten.gelu_.default,
 ]
 register(*UNARY_LINEAR)(_pointwise("unary"))
 
@@ -191,6 +190,39 @@ register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
 register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
+
+
+def _in_place(propagate):
+    """``relu_``, ``add_``...: the out-of-place rule, as long as the written tensor keeps its
+    placement. Converting a replicated one would hand the write a copy, so the other operands
+    are gathered instead; a sharded or partial one converted anyway is judged by
+    :func:`tpcompile.passes.mutations.check_mutations`."""
+    def rule(op):
+        out = propagate(op)
+        written = op.node.args[0]
+        if written in op.required and isinstance(op.placement(written), Replicate):
+            op.required.clear()
+            for a in _tensor_args(op.node):
+                op.require(a, Replicate())
+            return Replicate()
+        return out
+    return rule
+
+
+IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it follows
+    aten.relu_.default: aten.relu.default, aten.gelu_.default: aten.gelu.default,
+    aten.silu_.default: aten.silu.default, aten.tanh_.default: aten.tanh.default,
+    aten.sigmoid_.default: aten.sigmoid.default, aten.hardtanh_.default: aten.hardtanh.default,
+    aten.leaky_relu_.default: aten.leaky_relu.default, aten.elu_.default: aten.elu.default,
+    aten.clamp_.default: aten.clamp.default, aten.exp_.default: aten.exp.default,
+    aten.neg_.default: aten.neg.default, aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+    aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar,
+    aten.sub_.Tensor: aten.sub.Tensor, aten.sub_.Scalar: aten.sub.Scalar,
+    aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+    aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar,
+}
+for _op, _like in IN_PLACE.items():
+    RULES[_op] = Rule(_in_place(RULES[_like].propagate))
 
 
 @register(aten.view_as_complex.default, aten.view_as_real.default)

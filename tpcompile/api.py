@@ -27,6 +27,7 @@ from tpcompile.passes.bias import fuse_bias_pass, split_bias_pass
 from tpcompile.passes.insert_collectives import insert_collectives_pass
 from tpcompile.passes.localize import localize_pass
 from tpcompile.passes.materialize import materialize_params_pass
+from tpcompile.passes.mutations import clone_converted_writes_pass
 from tpcompile.passes.plan_sharding import plan_sharding
 from tpcompile.passes.sequence_linears import fuse_sequence_linears_pass
 from tpcompile.runtime import TPModule
@@ -73,6 +74,7 @@ def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]
         ("localize", functools.partial(localize_pass, plan=plan, rank=rank, group=group_name)),
         ("insert_collectives", functools.partial(
             insert_collectives_pass, plan=plan, rank=rank, group=group_name)),
+        ("clone_converted_writes", functools.partial(clone_converted_writes_pass, plan=plan)),
         ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
         ("fuse_bias", fuse_bias_pass),
         ("fuse_sequence_linears", fuse_sequence_linears_pass),
