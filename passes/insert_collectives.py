@@ -81,7 +81,7 @@ class _Converter:
             return x
         assert isinstance(dst, Shard), dst
         if isinstance(src, Shard) and (src.dim != dst.dim or not self.specs.contains(src.layout, dst.layout)):
-            x = self.convert(x, src, Replicate())
+            x = self.convert(x, src, Replicate(), sum_grads)  # re-shard: gathered, then sliced
             src = Replicate()
         held = self.local_held(src, dst.layout.size)
         wanted = self.specs.ranges(dst.layout)[self.rank]

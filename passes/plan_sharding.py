@@ -10,6 +10,8 @@
    result by itself (a row-parallel matmul, a vocabulary-parallel loss or embedding). A
    region that never does, or that leaks sharded data into ops needing whole rows (a norm over
    features, a gathered graph output), is killed: its roots stay replicated, propagation reruns.
+   An in-place write (slice assignment) into sharded data that would land on a copy keeps
+   that data's roots replicated too (see :mod:`tpcompile.passes.mutations`).
 3. *Tied tables*: a weight sharded by a column-parallel LM head that an embedding also reads
    makes that embedding vocabulary-parallel too, so the table is sharded once. *Early
    reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
@@ -35,6 +37,7 @@ from tpcompile.errors import TPCompileError
 from tpcompile.placement import Partial, Replicate, Shard, Specs
 from tpcompile.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.dims import shape, val
+from tpcompile.passes.mutations import check_mutations, write_conflicts
 from tpcompile.passes.propagate import (
     PARAM_MATMULS, Constraints, Propagation, _same, propagate,
 )
@@ -65,12 +68,15 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
             constraints.reduce_early |= early
             continue
         dead = _dead_regions(state, options)
+        dead.update((r, why) for r, why in _written_copies(gm, state).items() if r not in dead)
         if not dead:
             break
         constraints.killed.update(dead)
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
-    return _freeze(cap, state, constraints, world_size)
+    plan = _freeze(cap, state, constraints, world_size)
+    check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
+    return plan
 
 
 def _sequence_length(cap: Capture, options: PlanOptions) -> int | None:
@@ -124,6 +130,33 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
     return dead
 
 
+def _written_copies(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+    """Roots whose sharded data an in-place op would write on a copy of: root -> why.
+
+    Keeping them replicated makes the write land where the unsharded model's does.
+    """
+    out = {}
+    for c in write_conflicts(gm, lambda value, user: (value, user) in state.conversions):
+        for node in [c.edge[0]] + c.chain:
+            for root in _roots_behind(state, node, set()):
+                out.setdefault(root, f"{c.op.name} ({c.op.target}) writes into its sharded data "
+                                     "in place; sharded, the write would land on a copy")
+    return out
+
+
+def _roots_behind(state: Propagation, node: fx.Node, seen: set) -> set[str]:
+    """The roots a value's distributed placement comes from (a partial sum: its inputs')."""
+    if node in seen:
+        return set()
+    seen.add(node)
+    p = state.placements.get(node)
+    if isinstance(p, Shard):
+        return {p.layout.root}
+    if isinstance(p, (Partial, list, tuple)):
+        return set().union(*(_roots_behind(state, a, seen) for a in node.all_input_nodes))
+    return set()
+
+
 def _mixed_partials(state: Propagation) -> set[str]:
     """Partial sums some consumer reduces while others carry them on partially.
 
@@ -153,12 +186,22 @@ def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
     return out
 
 
+def _floating(v) -> bool:
+    """A floating tensor, or a multi-output op's list holding one (split, chunk, unbind)."""
+    if isinstance(v, (list, tuple)):
+        return any(_floating(x) for x in v)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
 def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
-    """Values that may carry a gradient: floating tensors downstream of params or inputs."""
+    """Values that may carry a gradient: floating tensors downstream of params or inputs.
+
+    A split's output list carries them through to its getitems; without it, a value reached
+    only through a fused qkv split would lose its gradient all-reduce (Megatron f).
+    """
     out = set()
     for node in gm.graph.nodes:
-        v = val(node)
-        if not (isinstance(v, torch.Tensor) and v.dtype.is_floating_point):
+        if not _floating(val(node)):
             continue
         if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
             out.add(node)
@@ -202,6 +245,20 @@ def _grad_syncs(gm, state: Propagation, needs_grad: set) -> list[str]:
     return out
 
 
+def _partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:
+    """Whether the replicated value a conversion produces is differentiated partially per rank.
+
+    A gather whose result a sharded op reads, and a re-shard (S -> S on another dim or layout:
+    gathered whole, then sliced per rank) both hand each rank's slice of the gradient back to
+    a replicated value: the gather's backward must sum those over ranks.
+    """
+    src = state.placements.get(value)
+    if isinstance(dst, Shard):
+        return isinstance(src, Shard) and (
+            src.dim != dst.dim or not state.specs.contains(src.layout, dst.layout))
+    return isinstance(dst, Replicate) and _is_distributed(state.placements.get(user))
+
+
 def _style(node: fx.Node, state: Propagation) -> str:
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
@@ -220,7 +277,7 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
     return tuple(s)
 
 
-def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture) -> str:
+def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: int) -> str:
     users = list(node.users)
     if node.target not in cap.params:
         return "buffer"
@@ -229,6 +286,8 @@ def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture) -> s
     if len(users) > 1:
         return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
     user = users[0] if users else None
+    if user is not None and user.target is torch.ops.aten.linear.default and shape(node)[0] < ws:
+        return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
     if user is not None and user.target in PARAM_MATMULS:
         return "its matmul's input is not sharded on a dim it can split"
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
@@ -252,7 +311,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
         elif style == "replicate":
-            reason = _replicated_reason(node, constraints.killed, cap)
+            reason = _replicated_reason(node, constraints.killed, cap, ws)
         else:
             user = next(iter(node.users))
             reason = f"{style} in {user.name}" + (
@@ -265,8 +324,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
             grad_sync=grad_sync, reason=reason)
     conversions = tuple(
         Conversion(value.name, user.name, state.placements.get(value), dst,
-                   sum_grads=(value in needs_grad and isinstance(dst, Replicate)
-                              and _is_distributed(state.placements.get(user))))
+                   sum_grads=value in needs_grad and _partial_grads(state, value, user, dst))
         for (value, user), dst in state.conversions.items())
     used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
     outputs = tuple(_consumed(state, a, state.output) for a in state.output.all_input_nodes)

@@ -181,7 +181,6 @@ POINTWISE = [
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
-    aten.view_as_real.default, aten.view_as_complex.default, aten.gelu_.default,
 ]
 register(*UNARY_LINEAR)(_pointwise("unary"))
 
@@ -199,6 +198,49 @@ register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
 register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
+
+
+def _in_place(propagate):
+    """``relu_``, ``add_``...: the out-of-place rule, as long as the written tensor keeps its
+    placement. Converting a replicated one would hand the write a copy, so the other operands
+    are gathered instead; a sharded or partial one converted anyway is judged by
+    :func:`tpcompile.passes.mutations.check_mutations`."""
+    def rule(op):
+        out = propagate(op)
+        written = op.node.args[0]
+        if written in op.required and isinstance(op.placement(written), Replicate):
+            op.required.clear()
+            for a in _tensor_args(op.node):
+                op.require(a, Replicate())
+            return Replicate()
+        return out
+    return rule
+
+
+IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it follows
+    aten.relu_.default: aten.relu.default, aten.gelu_.default: aten.gelu.default,
+    aten.silu_.default: aten.silu.default, aten.tanh_.default: aten.tanh.default,
+    aten.sigmoid_.default: aten.sigmoid.default, aten.hardtanh_.default: aten.hardtanh.default,
+    aten.leaky_relu_.default: aten.leaky_relu.default, aten.elu_.default: aten.elu.default,
+    aten.clamp_.default: aten.clamp.default, aten.exp_.default: aten.exp.default,
+    aten.neg_.default: aten.neg.default, aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+    aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar,
+    aten.sub_.Tensor: aten.sub.Tensor, aten.sub_.Scalar: aten.sub.Scalar,
+    aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+    aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar,
+}
+for _op, _like in IN_PLACE.items():
+    RULES[_op] = Rule(_in_place(RULES[_like].propagate))
+
+
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view(op):
+    """``(..., 2)`` real <-> ``(...)`` complex: the leading dims keep their positions (they are
+    not broadcast-aligned from the right); a shard of the real/imaginary pair is gathered."""
+    x = op.node.args[0]
+    lead = min(len(shape(x)), len(shape(op.node)))
+    return einsum_rule(op, [(x, list(range(lead)) + [None] * (len(shape(x)) - lead))],
+                       list(range(lead)) + ["pair"] * (len(shape(op.node)) - lead), "unary")
 
 
 # --------------------------------------------------------------------------- matmuls
@@ -256,8 +298,11 @@ def _sdpa(op):
     mask = op.node.args[3] if len(op.node.args) > 3 else op.node.kwargs.get("attn_mask")
     hq, hk = shape(q)[-3], shape(k)[-3]
     pq = op.placement(q)
+    causal = op.node.args[5] if len(op.node.args) > 5 else op.node.kwargs.get("is_causal", False)
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
-        operands = [(q, ["b", "h", "l", "e"]), (k, ["b", "h", "s", "e"]),
+        # is_causal masks by *local* query index: query rows cut by position (sequence
+        # parallelism) would each be masked as if they started at 0, so they are gathered
+        operands = [(q, ["b", "h", None if causal else "l", "e"]), (k, ["b", "h", "s", "e"]),
                     (v, ["b", "h", "s", "f"])]
         if isinstance(mask, fx.Node):
             names = ["b", "h", "l", "s"][4 - len(shape(mask)):]
@@ -437,8 +482,9 @@ def _map_dim(node, p: Shard):
         for s in sizes[1:]:
             inner *= s
         return Shard(d, split_layout(p.layout, p.layout.size // inner, inner))
-    if t is aten.flatten.using_ints:
-        a, b = norm_dim(args[1], n_in), norm_dim(args[2], n_in)
+    if t is aten.flatten.using_ints:  # start_dim and end_dim default to 0 and -1
+        a = norm_dim(args[1] if len(args) > 1 else 0, n_in)
+        b = norm_dim(args[2] if len(args) > 2 else -1, n_in)
         if d < a or d > b:
             return Shard(d - (b - a) * (d > b), p.layout)
         if d != a or any(not isinstance(s, int) for s in shape(args[0])[a + 1:b + 1]):
@@ -562,7 +608,8 @@ def _localize_embedding(node, local):
     if isinstance(p, Shard):
         (start, stop), = local.specs.ranges(p.layout)[local.rank]
         pad = node.args[2] if len(node.args) > 2 else -1
-        local.replace_target(node, vocab_parallel_embedding, (node.args[0], node.args[1], start, stop, pad))
+        local.replace_target(node, vocab_parallel_embedding,
+                             (node.args[0], node.args[1], start, stop, pad, p.layout.size))
 
 
 @register(aten.cross_entropy_loss.default,
@@ -593,4 +640,5 @@ def _localize_cross_entropy(node, local):
     ignore_index = node.kwargs.get("ignore_index", args[4])
     node.kwargs = {}
     local.replace_target(node, vocab_parallel_cross_entropy,
-                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group))
+                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group,
+                          p.layout.size))

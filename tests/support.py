@@ -28,3 +28,29 @@ def cases(results: dict, world_size: int, name) -> list:
     for c in per_rank:
         assert "error" not in c, c.get("error")
     return per_rank
+
+
+def rewrite_ranks(model, example_inputs, world_size: int, **options):
+    """Plan once, rewrite every rank's copy of the graph: (plan, fingerprint entries, graphs).
+
+    What ``parallelize`` does on each rank, without a process group; the entries are what the
+    ranks compare (see tpcompile.agreement), one list per rank.
+    """
+    import copy
+    import warnings
+
+    from tpcompile.agreement import collective_entries, plan_entries
+    from tpcompile.api import plan_model, rewrite_passes
+    from tpcompile.pipeline import run_passes
+
+    cap, plan = plan_model(model, example_inputs, world_size, **options)
+    shared = plan_entries(cap, plan)
+    entries, graphs = [], []
+    for rank in range(world_size):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own deprecation notes on deepcopy
+            gm = copy.deepcopy(cap.gm)
+        gm, _ = run_passes(gm, rewrite_passes(plan, rank, "tp"))
+        entries.append(shared + collective_entries(gm))
+        graphs.append(gm)
+    return plan, entries, graphs

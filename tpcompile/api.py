@@ -12,20 +12,22 @@ Example (under ``torchrun --nproc-per-node 2``)::
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from tpcompile.agreement import agree, collective_entries, plan_entries, value_entries
 from tpcompile.capture import capture
-from tpcompile.errors import MeshError, PlanMismatchError, TPCompileError
+from tpcompile.errors import MeshError, TPCompileError
+from tpcompile.liveness import warn_if_unbounded
 from tpcompile.pipeline import Pass, run_passes
 from tpcompile.plan import PlanOptions, ShardingPlan
 from tpcompile.passes.bias import fuse_bias_pass, split_bias_pass
 from tpcompile.passes.insert_collectives import insert_collectives_pass
 from tpcompile.passes.localize import localize_pass
 from tpcompile.passes.materialize import materialize_params_pass
+from tpcompile.passes.mutations import clone_converted_writes_pass
 from tpcompile.passes.plan_sharding import plan_sharding
 from tpcompile.passes.sequence_linears import fuse_sequence_linears_pass
 from tpcompile.runtime import TPModule
@@ -72,6 +74,7 @@ def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]
         ("localize", functools.partial(localize_pass, plan=plan, rank=rank, group=group_name)),
         ("insert_collectives", functools.partial(
             insert_collectives_pass, plan=plan, rank=rank, group=group_name)),
+        ("clone_converted_writes", functools.partial(clone_converted_writes_pass, plan=plan)),
         ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
         ("fuse_bias", fuse_bias_pass),
         ("fuse_sequence_linears", fuse_sequence_linears_pass),
@@ -87,17 +90,6 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
     cap, plan = plan_model(model, example_inputs, world_size, example_kwargs, **options)
     gm, records = run_passes(cap.gm, rewrite_passes(plan, rank, group_name), record=record)
     return gm, plan, records
-
-
-def _check_agreement(plan: ShardingPlan, group) -> None:
-    """Ranks compare a fingerprint of the plan before the first collective of the model."""
-    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
-    digests = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) != 1:
-        raise PlanMismatchError(
-            f"ranks planned differently (plan fingerprints per rank: {digests}); every rank must "
-            "call parallelize with the same model code, config and example input shapes")
 
 
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
@@ -126,9 +118,16 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         lengths than ``example_inputs`` are accepted.
     """
     group, rank, world_size = resolve_group(mesh)
-    cap, plan = plan_model(model, example_inputs, world_size, example_kwargs,
-                           vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
-                           sequence_parallel=sequence_parallel)
-    _check_agreement(plan, group)
-    gm, _ = run_passes(cap.gm, rewrite_passes(plan, rank, group.group_name))
+    warn_if_unbounded(group)
+
+    def build():
+        cap, plan = plan_model(model, example_inputs, world_size, example_kwargs,
+                               vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
+                               sequence_parallel=sequence_parallel)
+        entries = plan_entries(cap, plan)  # before the rewrite edits the captured graph
+        gm, _ = run_passes(cap.gm, rewrite_passes(plan, rank, group.group_name))
+        return (gm, plan), entries + collective_entries(gm)
+
+    # before the model's first collective; raises on every rank
+    gm, plan = agree(group, build, values=value_entries(model))
     return TPModule(gm, plan, rank, group)

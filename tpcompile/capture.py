@@ -6,6 +6,9 @@ node carries ``meta['val']`` (a FakeTensor, so shapes and dtypes are known witho
 ``ep.module()`` reads parameters through ``get_attr`` nodes whose targets are the FQNs users
 know. Export traces with fake tensors, so no real activation is ever computed here.
 
+What export would capture silently wrong (custom autograd Functions, Python attributes assigned
+in forward) is refused by :mod:`tpcompile.capture_checks`.
+
 Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths stay symbolic and
 the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
 """
@@ -23,7 +26,9 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
+from tpcompile.capture_checks import check_autograd_functions, forward_state_guard
 from tpcompile.errors import CaptureError
+from tpcompile.runtime import TPModule
 
 __all__ = ["Capture", "capture", "param_aliases"]
 
@@ -135,13 +140,20 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    if isinstance(model, TPModule):
+        raise CaptureError(
+            f"the model is already parallelized (a TPModule holding rank {model.rank}'s shards)"
+            "\n  hint: call parallelize on the original model (parallelize leaves it untouched), "
+            "not on its result")
     device = _model_device(model)
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
     notes: list[str] = []
     try:
-        with _capture_settings(model, notes):
+        with _capture_settings(model, notes), forward_state_guard(model):
             ep = _export(model, args, kwargs, dynamic, static_dims)
+    except CaptureError:
+        raise
     except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
         raise CaptureError(
             f"cannot capture data-dependent control flow at {_user_frame(e)}\n"
@@ -159,6 +171,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             "make forward traceable (no data-dependent Python control flow, tensors in and out)"
         ) from e
     gm = ep.module()
+    check_autograd_functions(gm)
     aliases_by_id = param_aliases(model)
     aliases, params = {}, set()
     for node in gm.graph.nodes:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from tpcompile.errors import CollectiveError
+from tpcompile.liveness import collective_failure
+
 __all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
            "reduce_scatter",
            "COLLECTIVE_FNS", "count_collectives"]
@@ -22,8 +25,21 @@ __all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "ga
 _c10d = torch.ops._c10d_functional
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+def _waited(what: str, group: str, launch) -> torch.Tensor:
+    """Launch one functional collective and wait for it; a backend failure (a rank that exited
+    or timed out) becomes a :class:`CollectiveError` naming the collective and the cause."""
+    if torch.compiler.is_compiling():  # traced into the graph: failures surface at run time
+        return _c10d.wait_tensor(launch())
+    try:
+        return _c10d.wait_tensor(launch())
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        raise collective_failure(what, group, e) from e
+
+
+def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    return _waited("all_reduce", group, lambda: _c10d.all_reduce(x.contiguous(), op, group))
 
 
 class _AllReduce(torch.autograd.Function):
@@ -92,7 +108,8 @@ def _gather(x: torch.Tensor, dim: int, width: int, index, group_size: int, group
     if moved.shape[0] < width:
         pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
         moved = torch.cat([moved, pad])
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved.contiguous(), group_size, group))
+    out = _waited("all_gather", group,
+                  lambda: _c10d.all_gather_into_tensor(moved.contiguous(), group_size, group))
     if index is not None:
         out = out.index_select(0, torch.tensor(index, device=out.device))
     return out.movedim(0, dim)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["TPCompileError", "CaptureError", "PlanMismatchError", "MeshError"]
+__all__ = ["TPCompileError", "CaptureError", "PlanMismatchError", "MeshError", "PlanError",
+           "InputError", "CollectiveError"]
 
 
 class TPCompileError(ValueError):
@@ -19,3 +20,18 @@ class MeshError(TPCompileError):
 
 class PlanMismatchError(TPCompileError):
     """Ranks computed different plans: running them would deadlock or give wrong numbers."""
+
+
+class PlanError(TPCompileError):
+    """The model was captured, but sharding it as written would compute something else."""
+
+
+class InputError(TPCompileError):
+    """A call's inputs do not fit what was captured (rank, dtype, fixed sizes, token ids)."""
+
+
+class CollectiveError(TPCompileError, RuntimeError):
+    """A collective failed or timed out: another rank exited, crashed or skipped it.
+
+    Also a ``RuntimeError``, the type torch raises for the same failure.
+    """

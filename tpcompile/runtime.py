@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from tpcompile.inputs import InputSpec
 from tpcompile.placement import Shard
 from tpcompile.plan import ShardingPlan
 
@@ -31,8 +32,11 @@ class TPModule(nn.Module):
             self.register_buffer(name, b, persistent=name not in gm._non_persistent_buffers_set)
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
+        object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
 
     def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            self.input_spec.check(args, kwargs)  # an InputError, not a failure deep inside
         return self.graph_module(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):

@@ -11,17 +11,40 @@ communication at all.
 from __future__ import annotations
 
 import torch
+from torch._subclasses import FakeTensor
 
-from tpcompile.collectives import COLLECTIVE_FNS, _all_reduce, _c10d
+from tpcompile.collectives import COLLECTIVE_FNS, _all_reduce
+from tpcompile.errors import InputError
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "sharded_cross_entropy"]
+__all__ = ["check_ids", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
+           "sharded_cross_entropy"]
 
 MEAN, SUM = 1, 2  # torch's Reduction enum as aten.cross_entropy_loss takes it
 
 
+def check_ids(ids: torch.Tensor, vocab: int | None, what: str, ignore_index: int | None = None):
+    """Ids outside ``[0, vocab)`` raise, as in the unsharded model (IndexError there): on a
+    sharded table no rank holds them, so they would silently read zeros (or drop out of the
+    loss). One reduction and one host sync per call; skipped under torch.compile and for
+    tensors without data (fake or meta: shape checks and planning)."""
+    if (vocab is None or torch.compiler.is_compiling() or ids.device.type == "meta"
+            or isinstance(ids, FakeTensor)):
+        return
+    valid = ids if ignore_index is None else ids[ids != ignore_index]
+    if bool(((valid < 0) | (valid >= vocab)).any()):
+        raise InputError(
+            f"{what}: token ids must be in [0, {vocab}), got values from {int(valid.min())} to "
+            f"{int(valid.max())}\n  hint: the unsharded model would raise IndexError on them too; "
+            "check the tokenizer's vocabulary size against the model's")
+
+
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, stop: int,
-                             padding_idx: int = -1) -> torch.Tensor:
-    """This rank's partial lookup: rows for ids in ``[start, stop)``, zeros elsewhere."""
+                             padding_idx: int = -1, vocab: int | None = None) -> torch.Tensor:
+    """This rank's partial lookup: rows for ids in ``[start, stop)``, zeros elsewhere.
+
+    ``vocab``: the whole table's rows, to refuse ids no rank holds (see :func:`check_ids`).
+    """
+    check_ids(ids, vocab, "vocabulary-parallel embedding")
     inside = (ids >= start) & (ids < stop)
     local_ids = torch.where(inside, ids - start, 0)
     pad = padding_idx - start if start <= padding_idx < stop else -1
@@ -34,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, class_dim, start, stop, reduction, ignore_index, group):
         x = logits.movedim(class_dim, -1)
         peak = x.detach().amax(-1)
-        peak = _c10d.wait_tensor(_c10d.all_reduce(peak.contiguous(), "max", group))
+        peak = _all_reduce(peak, group, "max")
         shifted = x - peak.unsqueeze(-1)
         valid = target != ignore_index
         inside = (target >= start) & (target < stop) & valid
@@ -61,12 +84,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, target, class_dim: int, start: int, stop: int,
                                  reduction: int = MEAN, ignore_index: int = -100,
-                                 group: str = "0") -> torch.Tensor:
+                                 group: str = "0", vocab: int | None = None) -> torch.Tensor:
     """Cross-entropy of logits whose ``class_dim`` holds vocabulary ``[start, stop)`` here.
 
     Same semantics as ``aten.cross_entropy_loss`` without class weights or label smoothing;
-    the result is replicated (every rank gets the full loss).
+    the result is replicated (every rank gets the full loss). ``vocab``: the whole vocabulary,
+    to refuse targets no rank holds (see :func:`check_ids`).
     """
+    check_ids(target, vocab, "vocabulary-parallel cross-entropy targets", ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, class_dim, start, stop, reduction,
                                             ignore_index, group)
 
@@ -92,4 +117,5 @@ def sharded_cross_entropy(tp, local_logits: torch.Tensor, target: torch.Tensor,
     (start, stop), = tp.plan.specs.ranges(layout)[tp.rank]
     codes = {"mean": MEAN, "sum": SUM, "none": 0}
     return vocab_parallel_cross_entropy(local_logits.flatten(0, -2), target.flatten(), 1, start, stop,
-                                        codes[reduction], ignore_index, tp.group.group_name)
+                                        codes[reduction], ignore_index, tp.group.group_name,
+                                        layout.size)

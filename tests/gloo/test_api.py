@@ -24,7 +24,8 @@ def test_ranks_that_plan_differently_fail_loudly_instead_of_hanging():
 def test_device_mesh_1d_works_and_2d_is_refused():
     for r in launch("mesh_checks", 4):
         assert r["mesh_1d_err"] <= 1e-5
-        assert "tensor-parallel sub-mesh" in r["mesh_2d"]
+        assert r["mesh_2d"] == ("tpcompile shards over one mesh dimension; got a 2-D mesh (2, 2); "
+                                "pass the tensor-parallel sub-mesh, e.g. mesh['tp']")
 
 
 def test_world_size_one_is_the_identity_plan():

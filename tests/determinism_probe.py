@@ -1,0 +1,41 @@
+"""Print, as JSON, the plan and every rank's rewritten code for a few models (no process group).
+
+tests/unit/test_determinism.py runs this in fresh interpreters with different PYTHONHASHSEED
+values and compares the outputs byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import random_models  # noqa: E402
+from support import rewrite_ranks  # noqa: E402
+from tpcompile import models  # noqa: E402
+from tpcompile.agreement import digest  # noqa: E402
+
+
+def cases():
+    llama = models.build("llama", dim=48, n_heads=6, n_kv_heads=2, hidden=100, vocab=97, n_layers=1)
+    gpt2 = models.build("gpt2", n_layers=1)
+    yield "llama_uneven", llama, models.example_inputs(llama), 3, {}
+    yield "gpt2", gpt2, models.example_inputs(gpt2), 4, {"vocab_parallel": True}
+    for name, case in random_models.corpus().items():
+        model, x = random_models.build(case["spec"])
+        yield name, model, x, case["world_size"], random_models.options(case["spec"])
+
+
+def main() -> None:
+    out = {}
+    for name, model, x, ws, options in cases():
+        plan, entries, graphs = rewrite_ranks(model, x, ws, **options)
+        out[name] = {"plan": plan.to_json(), "codes": [gm.code for gm in graphs],
+                     "digests": [digest(e) for e in entries]}
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

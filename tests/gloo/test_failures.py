@@ -1,0 +1,86 @@
+"""No hangs: ranks that disagree, fail, skip a collective or exit all end in a clear error.
+
+One 2-rank spawn (tests/gloo/reliability_workers.py:failures) runs every scenario in turn; the
+process-group timeout of the collective scenarios is set short so the test stays quick.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tpcompile.launch import run_on_ranks
+
+pytestmark = pytest.mark.dist
+
+WORKERS = str(Path(__file__).parent / "reliability_workers.py")
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_on_ranks(f"{WORKERS}:failures", 2, TIMEOUT_S, timeout=600)
+
+
+def test_other_model_names_the_first_differing_entry_on_every_rank(ranks):
+    messages = [r["other_hidden"] for r in ranks]
+    assert messages[0] == messages[1]  # every rank raises the same error
+    m = messages[0]
+    assert m.startswith("PlanMismatchError: ranks planned differently; the first entry that differs")
+    assert "rank 0: captured node blocks_0_fc1_weight:" in m and "float32[128, 64]" in m
+    assert "rank 1: captured node blocks_0_fc1_weight:" in m and "float32[96, 64]" in m
+
+
+def test_other_options_are_named(ranks):
+    m = ranks[0]["other_options"]
+    assert m == ranks[1]["other_options"]
+    assert 'rank 0: plan options vocab_parallel: false' in m
+    assert 'rank 1: plan options vocab_parallel: true' in m
+
+
+def test_a_rank_that_cannot_plan_stops_the_others(ranks):
+    assert ranks[1]["one_rank_fails"].startswith(
+        "CaptureError: StraightThrough is a custom torch.autograd.Function")
+    assert ranks[0]["one_rank_fails"].startswith(
+        "PlanMismatchError: rank 1 could not parallelize the model (CaptureError: StraightThrough")
+
+
+def test_rewritten_collectives_are_compared_too(ranks):
+    m = ranks[0]["other_collectives"]
+    assert m == ranks[1]["other_collectives"]
+    assert "rank 0: collective 1: all_reduce = all_reduce" in m  # collective 0: f (copy_to_region)
+    assert "rank 1: collective 1: all_reduce = copy_to_region" in m
+
+
+def test_ranks_with_other_weights_are_warned_about(ranks):
+    for r in ranks:
+        (m,) = r["other_weights_warning"]
+        assert m.startswith("tpcompile: ranks hold different weights; the first that differs is "
+                            "entry 0:\n  rank 0: values of fc1.weight: sum ")
+        assert "\n  rank 1: values of fc1.weight: sum " in m
+        assert "seed every rank alike, or load a checkpoint after parallelize" in m
+
+
+def test_a_very_long_process_group_timeout_is_warned_about(ranks):
+    for r in ranks:
+        assert len(r["long_timeout_warning"]) == 1
+        assert "the process group's timeout is 2:00:00" in r["long_timeout_warning"][0]
+
+
+def test_a_rank_that_skips_a_collective_times_out_clearly(ranks):
+    r = ranks[0]["skipped"]
+    assert r["error"].startswith("CollectiveError: all_reduce on process group")
+    assert "failed on rank 0 of 2: Timed out waiting 5000ms" in r["error"]
+    assert "did not reach this collective" in r["error"]
+    assert "the process group's timeout (5 s)" in r["error"]
+    assert r["is_runtime_error"]  # also what torch raises for the same failure
+    assert TIMEOUT_S - 0.5 <= r["seconds"] <= TIMEOUT_S + 10
+
+
+@pytest.mark.parametrize("phase", ["exited_backward", "exited_forward"])
+def test_a_rank_that_exits_makes_the_others_raise_at_once(ranks, phase):
+    r = ranks[0][phase]
+    assert r["error"].startswith("CollectiveError: all_reduce on process group")
+    assert "Connection closed by peer" in r["error"]
+    assert r["seconds"] < TIMEOUT_S
