@@ -62,8 +62,7 @@ def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs
     ``options``: ``vocab_parallel``, ``loss_parallel`` (see :class:`PlanOptions`).
     """
     opts = PlanOptions(**options)
-    cap = capture(model, example_inputs, example_kwargs,
-                  static_dims=(1,) if opts.sequence_parallel else ())
+    cap = capture(model, example_inputs, example_kwargs, static_dims=opts.static_dims)
     split_bias_pass(cap.gm)
     return cap, plan_sharding(cap, world_size, opts)
 

@@ -17,7 +17,7 @@ from torch import fx
 
 from tpcompile.placement import Partial, Shard
 from tpcompile.plan import ShardingPlan
-from tpcompile.passes.propagate import PARAM_MATMULS
+from tpcompile.passes.propagate import PARAM_MATMULS, SEQUENCE
 
 __all__ = ["Chain", "find_chains", "layer_of"]
 
@@ -46,9 +46,11 @@ class Chain:
 
 
 def _roots(p) -> set[str]:
+    """The column-parallel roots a placement is cut from; sequence shards (SP) join no chain:
+    the residual stream between chains is cut by position, not by any weight."""
     if isinstance(p, (list, tuple)):
         return set().union(*(_roots(x) for x in p)) if p else set()
-    return {p.layout.root} if isinstance(p, Shard) else set()
+    return {p.layout.root} if isinstance(p, Shard) and p.layout.root != SEQUENCE else set()
 
 
 def layer_of(path: str) -> str:

@@ -48,6 +48,23 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", action="store_true",
                    help="build the model on the meta device: plan large models without memory")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_options(p, list(OPTIONS))
+
+
+OPTIONS = {"vocab-parallel": "shard token embeddings by vocabulary rows",
+           "loss-parallel": "leave LM-head logits sharded by vocabulary",
+           "sequence-parallel": "Megatron-SP: norms and residuals on sequence shards"}
+
+
+def _add_options(p: argparse.ArgumentParser, names: list[str]) -> None:
+    for name in names:
+        p.add_argument(f"--{name}", action="store_true", help=f"{OPTIONS[name]} (parallelize's option)")
+
+
+def _options(args) -> dict:
+    """parallelize's plan options, from the flags of the same names that ``args`` has."""
+    names = (name.replace("-", "_") for name in OPTIONS)
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--batch", type=int, default=2)
     demo.add_argument("--seq", type=int, default=16)
+    _add_options(demo, ["vocab-parallel", "sequence-parallel"])
     explain = sub.add_parser("explain", help="show the plan: styles, collectives, bytes, fallbacks",
                              description="Plan TARGET for --world-size ranks without any process "
                                          "group and report what tpcompile would do.")
@@ -94,7 +112,8 @@ def _explain(args) -> int:
     from tpcompile.report import explain
 
     target, progress = _load(args)
-    report = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress)
+    report = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress,
+                     **_options(args))
     progress("done")
     print(report.to_json() if args.json else report)
     return 0
@@ -106,7 +125,7 @@ def _diff(args) -> int:
 
     target, progress = _load(args)
     result = diff(target.model, target.inputs, args.world_size, rank=args.rank,
-                  passes=args.passes, progress=progress)
+                  passes=args.passes, progress=progress, **_options(args))
     progress("done")
     if not args.html:
         print(result, end="")
@@ -127,7 +146,7 @@ def _demo(args) -> int:
 
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {args.world_size}", "e.g. --world-size 2")
-    return run_demo(args.model, args.world_size, args.batch, args.seq)
+    return run_demo(args.model, args.world_size, args.batch, args.seq, **_options(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,14 +16,15 @@ from tpcompile.launch import run_on_ranks
 __all__ = ["run_demo"]
 
 
-def _rank_main(rank: int, world_size: int, model_name: str, batch: int, seq: int) -> dict:
+def _rank_main(rank: int, world_size: int, model_name: str, batch: int, seq: int,
+               options: dict) -> dict:
     from tpcompile.api import parallelize
     from tpcompile.check import compare
 
     model = models.build(model_name)
     inputs = models.example_inputs(model, batch, seq)
     start = time.perf_counter()
-    tp = parallelize(model, inputs)
+    tp = parallelize(model, inputs, **options)
     planned = time.perf_counter() - start
     result = compare(model, tp, inputs, steps=3)
     local = sum(p.numel() * p.element_size() for p in tp.parameters())
@@ -32,10 +33,14 @@ def _rank_main(rank: int, world_size: int, model_name: str, batch: int, seq: int
             "local_bytes": local, "full_bytes": full}
 
 
-def run_demo(model: str = "llama", world_size: int = 2, batch: int = 2, seq: int = 16) -> int:
+def run_demo(model: str = "llama", world_size: int = 2, batch: int = 2, seq: int = 16,
+             **options) -> int:
+    """``options``: ``parallelize``'s ``vocab_parallel`` / ``sequence_parallel``."""
     start = time.perf_counter()
-    print(f"tpcompile demo: {model} on {world_size} gloo ranks (CPU), batch {batch}, seq {seq}")
-    results = run_on_ranks("tpcompile.demo:_rank_main", world_size, model, batch, seq)
+    chosen = "".join(f", {k.replace('_', ' ')}" for k, on in sorted(options.items()) if on)
+    print(f"tpcompile demo: {model} on {world_size} gloo ranks (CPU), batch {batch}, seq {seq}"
+          f"{chosen}")
+    results = run_on_ranks("tpcompile.demo:_rank_main", world_size, model, batch, seq, options)
     r0 = results[0]
     cmp = r0["comparison"]
     print(r0["plan"])

@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from tpcompile.diff_html import page
 from tpcompile.placement import Partial, Shard
+from tpcompile.plan import PlanOptions
 from tpcompile.rewrite_trace import trace_rewrite
 from tpcompile.traffic import list_collectives
 
@@ -109,15 +110,18 @@ class GraphDiff:
 
 def diff(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
          passes: bool = False, html: bool = False,
-         progress: Callable[[str], None] | None = None):
+         progress: Callable[[str], None] | None = None, example_kwargs: dict | None = None,
+         **options):
     """Rewrite rank ``rank``'s graph for ``world_size`` ranks and diff it against the capture.
 
     Returns a :class:`GraphDiff` (``str()`` of it is the unified diff; ``passes=True`` makes
     that one diff per pass), or with ``html=True`` the self-contained side-by-side HTML page.
     Needs no process group; a model on the meta device is diffed without memory.
+    ``example_kwargs`` and ``options`` are ``parallelize``'s, as for :func:`tpcompile.explain`.
     """
     trace = trace_rewrite(model, example_inputs, world_size, rank, render=render_code,
-                          progress=progress)
+                          progress=progress, example_kwargs=example_kwargs,
+                          options=PlanOptions(**options))
     placements = {name: _kind(p) for name, p in trace.plan.placements.items() if _kind(p)}
     result = GraphDiff(trace.model_name, world_size, rank, trace.stages, placements,
                        list_collectives(trace), list(trace.relocalized), passes)

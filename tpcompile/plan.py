@@ -51,6 +51,11 @@ class PlanOptions:
     loss_parallel: bool = False
     sequence_parallel: bool = False
 
+    @property
+    def static_dims(self) -> tuple[int, ...]:
+        """Input dims capture keeps at their example size: SP cuts dim 1 into fixed shards."""
+        return (1,) if self.sequence_parallel else ()
+
 
 @dataclass(frozen=True)
 class ParamPlan:

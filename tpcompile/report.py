@@ -18,6 +18,7 @@ from torch import nn
 
 from tpcompile.dtensor_plan import dtensor_styles, to_parallel_styles
 from tpcompile.placement import Shard
+from tpcompile.plan import PlanOptions
 from tpcompile.report_text import render
 from tpcompile.rewrite_trace import RewriteTrace, module_path, trace_rewrite
 from tpcompile.traffic import (
@@ -148,15 +149,19 @@ def _located(trace: RewriteTrace, reasons: dict[str, str]) -> list[dict]:
 
 
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
-            progress: Callable[[str], None] | None = None) -> Report:
+            progress: Callable[[str], None] | None = None, example_kwargs: dict | None = None,
+            **options) -> Report:
     """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
 
     Needs no process group and no GPU; build the model under ``torch.device("meta")`` to plan
     a large model without allocating its weights. ``rank`` picks whose local shapes are shown
     (they differ only for uneven shards); ``progress`` receives a line per step.
+    ``example_kwargs`` and ``options`` (``vocab_parallel``, ``loss_parallel``,
+    ``sequence_parallel``) are ``parallelize``'s: the report is of the plan that call makes.
     """
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
-                          progress=progress)
+                          progress=progress, example_kwargs=example_kwargs,
+                          options=PlanOptions(**options))
     collectives = list_collectives(trace)
     per_rank, total = _param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)

@@ -22,7 +22,7 @@ from tpcompile.capture import Capture, capture
 from tpcompile.chains import Chain, find_chains
 from tpcompile.errors import TPCompileError
 from tpcompile.pipeline import run_passes
-from tpcompile.plan import ShardingPlan
+from tpcompile.plan import PlanOptions, ShardingPlan
 from tpcompile.passes.bias import split_bias_pass
 from tpcompile.passes.plan_sharding import plan_sharding
 
@@ -55,12 +55,14 @@ def _tell(progress: Callable[[str], None] | None, message: str) -> None:
 
 
 def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int = 0, *,
+                  example_kwargs: dict | None = None, options: PlanOptions = PlanOptions(),
                   render: Callable[[fx.GraphModule], str] | None = None,
                   copy_weights: bool = True, group_name: str = "tp",
                   progress: Callable[[str], None] | None = None) -> RewriteTrace:
     """Capture, plan for ``world_size`` ranks and rewrite rank ``rank``'s graph.
 
-    ``render``: a ``gm -> str`` snapshot taken after capture and after every pass (the diff's
+    ``example_kwargs`` and ``options`` are ``parallelize``'s (vocabulary, loss and sequence
+    parallelism), so the trace is what that call would run. ``render``: a ``gm -> str`` snapshot taken after capture and after every pass (the diff's
     input); None keeps no snapshots. ``copy_weights=False`` skips ``materialize_params``: the
     report needs the graph, not a copy of every weight of a real 7B model.
     """
@@ -71,13 +73,13 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     n_params = sum(p.numel() for p in model.parameters())
     _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
     start = time.perf_counter()
-    cap = capture(model, example_inputs)
+    cap = capture(model, example_inputs, example_kwargs, static_dims=options.static_dims)
     stages = [("capture", render(cap.gm))] if render else []
     _tell(progress, f"captured {sum(1 for _ in cap.gm.graph.nodes)} graph nodes in "
                       f"{time.perf_counter() - start:.1f}s; planning for {world_size} ranks")
     passes = [("split_bias", split_bias_pass)]
     gm, records = run_passes(cap.gm, passes, record=render or False)
-    plan = plan_sharding(cap, world_size)
+    plan = plan_sharding(cap, world_size, options)
     chains, chain_of = find_chains(gm, plan)
     before = {n.name: _literals(n) for n in gm.graph.nodes if n.op == "call_function"}
     passes = [p for p in rewrite_passes(plan, rank, group_name)

@@ -40,6 +40,7 @@ class CollectiveEntry:
     node: str                # the captured value it converts: it runs right after this node
     module: str              # that node's module ('' for the top level)
     inserted_as: str         # the call's name in the rewritten graph (what `diff` shows)
+    layer: str = ""          # the repeated block it serves ('' outside any), see _layers
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,23 @@ def _message_shape(call: fx.Node, value) -> list:
     return shape
 
 
+def _layers(trace: RewriteTrace) -> dict[str, str]:
+    """The layer each collective serves, keyed by the captured value it converts.
+
+    A value's own module can sit in the block before: the activation entering layer 3's chains
+    is made by layer 2's last norm (BERT), or by the embedding for layer 0. So a chain's entries
+    and exits belong to the chain's layer, then values inside a chain; others go by module.
+    """
+    layers = {name: c.layer for c in trace.chains for name in c.entries + c.exits}
+    layer_of_chain = {c.name: c.layer for c in trace.chains}
+    for name, chain in trace.chain_of.items():
+        layers.setdefault(name, layer_of_chain[chain])
+    return layers
+
+
 def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
     """Every collective the rank's graph issues per forward and per backward, in graph order."""
-    out = []
+    out, layers = [], _layers(trace)
     for call in trace.gm.graph.nodes:
         if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
             continue
@@ -85,9 +100,10 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
         shape = _message_shape(call, value)
         for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):
             for op in kinds:
+                module = module_path(src)
                 out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
-                                           nbytes(shape, value.dtype), src.name,
-                                           module_path(src), call.name))
+                                           nbytes(shape, value.dtype), src.name, module,
+                                           call.name, layers.get(src.name, layer_of(module))))
     return out
 
 
@@ -112,7 +128,7 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
                 r[f"bound_{phase}"] += 1
                 r["bound_bytes"] += nbytes(concrete_shape(value), value.dtype) or 0
     for c in collectives:
-        r = row(layer_of(c.module))
+        r = row(c.layer)
         r[c.phase] += 1
         r["bytes"] += c.bytes or 0
     return [LayerTraffic(**rows[k]) for k in sorted(rows, key=_layer_order)]

@@ -58,6 +58,14 @@ def test_explain_builtin_as_json(tmp_path):
     assert "capturing MLPStack" in done.stderr and "planning for 2 ranks" in done.stderr  # progress
 
 
+def test_plan_options_are_flags(tmp_path):
+    done = run("explain", "gpt2", "--world-size", "2", "--sequence-parallel", "--json", "--quiet",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    ops = {c.op for c in Report.from_json(done.stdout).collectives}
+    assert {"reduce_scatter", "all_gather"} <= ops
+
+
 def test_diff_of_a_factory_file_writes_html(factories, tmp_path):
     out = tmp_path / "diff.html"
     done = run("diff", f"{factories}:build", "--world-size", "2", "--passes", "--html", str(out),

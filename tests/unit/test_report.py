@@ -71,6 +71,19 @@ def test_collectives_are_those_of_the_rewritten_graph(case, request):
         n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_FNS}
 
 
+def test_options_are_parallelizes_options():
+    """explain(..., sequence_parallel=True, vocab_parallel=True) reports the plan those make."""
+    model = models.build("gpt2", n_layers=1)
+    inputs = models.example_inputs(model)
+    options = {"sequence_parallel": True, "vocab_parallel": True}
+    report = tpcompile.explain(model, inputs, 2, **options)
+    gm, _, _ = rewrite(model, inputs, 2, rank=0, **options)
+    counts = report.collective_counts()
+    assert counts == count_collectives(gm)
+    assert counts["forward"]["reduce_scatter"] == 2  # one per row-parallel Linear
+    assert report.collective_counts() != tpcompile.explain(model, inputs, 2).collective_counts()
+
+
 def test_collective_bytes_come_from_shapes_and_dtypes(llama4_bf16):
     report, model = llama4_bf16
     cfg = model.cfg

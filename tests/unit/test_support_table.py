@@ -1,0 +1,119 @@
+"""The README's support table is computed, not written: this test rebuilds it and compares.
+
+Each row is one model family planned by :func:`tpcompile.explain` at 2 and 4 ranks; the counts
+are read from rank 0's rewritten graph (equal to ``count_collectives`` of the module
+``parallelize`` returns, tested in test_report.py). The numerics of every row are tested on real
+gloo ranks in the file the last column names. After a planner change that moves a count, run
+
+    TPCOMPILE_UPDATE_README=1 python -m pytest tests/unit/test_support_table.py
+
+and commit the README with the new table (the diff shows what changed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import tpcompile
+from tpcompile import models
+
+from support import workers
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def _builtin(name):
+    def build():
+        model = models.build(name)
+        return model, models.example_inputs(model), {}
+    return build
+
+
+def _hf(name, labels=False):
+    def build():
+        pytest.importorskip("transformers")
+        model = workers.hf_model(name).eval()
+        ids = torch.randint(0, model.config.vocab_size, (2, 16))
+        kwargs = {"attention_mask": torch.ones(2, 16, dtype=torch.long)}
+        if labels:
+            kwargs["labels"] = ids
+        return model, (ids,), kwargs
+    return build
+
+
+SP, VOCAB = {"sequence_parallel": True}, {"vocab_parallel": True, "loss_parallel": True}
+ROWS = [  # family, build, options, where its outputs and gradients are tested on gloo ranks
+    ("MLP: Linear-GELU-Linear blocks", _builtin("mlp"), {}, "test_numerics"),
+    ("GPT-2 (built-in): fused qkv, tied embeddings", _builtin("gpt2"), {}, "test_numerics"),
+    ("GPT-2 (built-in)", _builtin("gpt2"), SP, "test_sequence_parallel"),
+    ("Llama (built-in): GQA 8/2, RoPE, SwiGLU", _builtin("llama"), {}, "test_numerics"),
+    ("Llama (built-in)", _builtin("llama"), SP, "test_sequence_parallel"),
+    ("HF LlamaForCausalLM: GQA 8/2", _hf("llama"), {}, "test_hf_models"),
+    ("HF LlamaForCausalLM with labels", _hf("llama", labels=True), VOCAB, "test_hf_models"),
+    ("HF LlamaForCausalLM: multi-query 8/1", _hf("llama_mqa"), {}, "test_hf_models"),
+    ("HF GPT2LMHeadModel: Conv1D, fused c_attn", _hf("gpt2"), {}, "test_hf_models"),
+    ("HF BertForMaskedLM: encoder, padding mask", _hf("bert"), {}, "test_hf_models"),
+]
+
+
+def _counts(entries) -> str:
+    """'2 AR' / '2 AG + 2 RS' for one phase's collectives; '-' for none."""
+    c = Counter(SHORT[e.op] for e in entries)
+    return " + ".join(f"{n} {op}" for op, n in sorted(c.items())) or "-"
+
+
+def _phases(entries) -> str:
+    return " / ".join(_counts([e for e in entries if e.phase == p]) for p in ("forward", "backward"))
+
+
+def _cells(report) -> tuple[str, str, str]:
+    """(chains of the first layer, its collectives, collectives outside layers)."""
+    by_layer: dict[str, list] = {}
+    for c in report.collectives:
+        by_layer.setdefault(c.layer, []).append(c)
+    layers = [row.layer for row in report.megatron if row.layer]
+    first = layers[0]
+    per_layer = {_phases(by_layer.get(layer, [])) for layer in layers}
+    assert len(per_layer) == 1, f"layers differ: {per_layer}"  # 'per layer' must mean it
+    chains = "; ".join(c["summary"] for c in report.chains.values() if c["layer"] == first)
+    return chains, per_layer.pop(), _phases(by_layer.get("", []))
+
+
+def _options(options: dict) -> str:
+    return ", ".join(k.removesuffix("_parallel") for k in options) or "-"
+
+
+def render() -> str:
+    lines = ["| model | options | sharded per layer (ranks 2) | per layer fwd / bwd, 2 ranks "
+             "| per layer fwd / bwd, 4 ranks | outside layers, 4 ranks | numerics |",
+             "|---|---|---|---|---|---|---|"]
+    for family, build, options, test in ROWS:
+        model, inputs, kwargs = build()
+        two, four = (tpcompile.explain(model, inputs, ws, example_kwargs=kwargs, **options)
+                     for ws in (2, 4))
+        chains, layer2, _ = _cells(two)
+        _, layer4, outside4 = _cells(four)
+        lines.append(f"| {family} | {_options(options)} | {chains} | {layer2} | {layer4} "
+                     f"| {outside4} | `tests/gloo/{test}.py` |")
+    return "\n".join(lines)
+
+
+def test_readme_support_table_is_the_measured_one():
+    table = render()
+    text = README.read_text()
+    block = re.compile(re.escape(START) + r"\n(?:.*?\n)?" + re.escape(END), re.S)
+    assert block.search(text), f"README.md has no {START} ... {END} block"
+    if os.environ.get("TPCOMPILE_UPDATE_README"):
+        README.write_text(block.sub(lambda _: f"{START}\n{table}\n{END}", text))
+        text = README.read_text()
+    assert f"{START}\n{table}\n{END}" in text, (
+        f"the README's support table is stale; the measured one is:\n{table}\n"
+        "rerun with TPCOMPILE_UPDATE_README=1 to write it")
