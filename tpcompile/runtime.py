@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from tpcompile.errors import TPCompileError
 from tpcompile.inputs import InputSpec
 from tpcompile.placement import Shard
 from tpcompile.plan import ShardingPlan
@@ -45,6 +46,29 @@ class TPModule(nn.Module):
         self.graph_module._parameters.update(self._parameters)
         self.graph_module._buffers.update(self._buffers)
         return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, for this rank's shards (a round trip of ``state_dict()`` at this world size).
+
+        A full, unsharded state dict (``model.state_dict()``) is refused by name instead of with
+        torch's size-mismatch error, pointing at the call that slices it.
+        """
+        whole = [name for name, value in state_dict.items() if self._is_unsharded(name, value)]
+        if whole:
+            raise TPCompileError(
+                f"load_state_dict got the unsharded {whole[0]} ({list(state_dict[whole[0]].shape)}"
+                f"; this rank's shard is {list(self.state_dict()[whole[0]].shape)}), "
+                f"{len(whole)} such tensor(s) in all\n  hint: load a full state dict with "
+                "tpcompile.load_full_state_dict(tp, state_dict), which copies this rank's slices")
+        return super().load_state_dict(state_dict, strict, assign)
+
+    def _is_unsharded(self, fqn: str, value) -> bool:
+        for entry in self.plan.params.values():
+            if fqn == entry.name or fqn in entry.aliases:
+                local = entry.local_shapes[self.rank]
+                return (isinstance(entry.placement, Shard) and local != entry.global_shape
+                        and tuple(getattr(value, "shape", ())) == entry.global_shape)
+        return False
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, gathered from every rank (a collective: call on all)."""

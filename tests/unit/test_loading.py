@@ -65,6 +65,18 @@ def test_load_full_state_dict_copies_exactly_this_ranks_slices(eager, buffers):
     assert_shards_equal(tp, eager.state_dict())
 
 
+def test_load_state_dict_names_a_full_state_dict_and_round_trips_shards(eager):
+    _, tp = one_rank(2, 1, meta=False)
+    with pytest.raises(tpcompile.TPCompileError, match=(
+            r"load_state_dict got the unsharded layers.0.attention.wq.weight \(\[64, 64\]; this "
+            r"rank's shard is \[32, 64\]\), 14 such tensor\(s\) in all\n  hint: load a full "
+            r"state dict with tpcompile.load_full_state_dict")):
+        tp.load_state_dict(eager.state_dict())
+    shards = expected_shards(tp, eager.state_dict())
+    assert tp.load_state_dict(shards) == ([], [])  # this rank's own shards load as in torch
+    assert_shards_equal(tp, eager.state_dict())
+
+
 def test_safetensors_reads_the_same_slices(tmp_path, eager, buffers):
     from safetensors.torch import save_file
 
