@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
@@ -149,6 +149,8 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
     notes: list[str] = []
+    if dynamic:
+        notes += _specialised_sizes(model, args, kwargs, static_dims)
     try:
         with _capture_settings(model, notes), forward_state_guard(model):
             ep = _export(model, args, kwargs, dynamic, static_dims)
@@ -162,9 +164,13 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     except Exception as e:  # noqa: BLE001 - every export failure becomes one actionable error
         if dynamic:
             try:
-                return capture(model, example_inputs, example_kwargs, dynamic=False)  # all static
+                cap = capture(model, example_inputs, example_kwargs, dynamic=False)  # all static
             except CaptureError:
                 pass
+            else:
+                return _noted(cap, f"captured with static shapes: export with dynamic batch and "
+                                   f"sequence sizes failed ({type(e).__name__}); the module "
+                                   "accepts only the example's sizes")
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {type(e).__name__} at "
             f"{_user_frame(e)}\n  hint: tpcompile captures with torch.export(strict=False); "
@@ -184,7 +190,36 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
                 params.add(node.target)
     specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor))
-    return Capture(gm, aliases, frozenset(params), specs, tuple(notes))
+    return _noted(Capture(gm, aliases, frozenset(params), specs), *notes)
+
+
+def _noted(cap: Capture, *notes: str) -> Capture:
+    """Record what capture changed about the call; those that limit the module also warn."""
+    for note in notes:
+        if "accepts only" in note:
+            warnings.warn(f"tpcompile: {note}", stacklevel=4)
+    return replace(cap, notes=cap.notes + notes)
+
+
+def _specialised_sizes(model: nn.Module, args: tuple, kwargs: dict, static: tuple[int, ...]):
+    """Batch and sequence dims of size 0 or 1 in the example: export fixes them to that size
+    (it specialises 0 and 1), so a later call with batch 2 would be refused."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except TypeError:
+        return []
+    out = []
+    for name, value in bound.items():
+        for t in tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for d in range(min(t.dim(), 2)):
+                if d not in static and t.shape[d] in (0, 1):
+                    out.append(f"input {name} has size {t.shape[d]} at dim {d}: export fixes "
+                               f"it, so the module accepts only {t.shape[d]} there; give an "
+                               "example with size >= 2 to keep it dynamic")
+                    break
+    return out
 
 
 def _fetch(root: nn.Module, target: str):

@@ -48,3 +48,12 @@ def test_parallelize_without_a_process_group_is_a_clear_error():
 
     with pytest.raises(tpcompile.MeshError, match="init_process_group"):
         tpcompile.parallelize(models.build("mlp"), models.example_inputs(models.build("mlp")))
+
+
+def test_a_batch_of_one_is_said_to_fix_the_batch_size():
+    model = models.build("mlp")
+    with pytest.warns(UserWarning, match="input x has size 1 at dim 0: export fixes it"):
+        cap = capture(model, (torch.randn(1, 8, 64),))
+    assert cap.notes == ("input x has size 1 at dim 0: export fixes it, so the module accepts "
+                         "only 1 there; give an example with size >= 2 to keep it dynamic",)
+    assert capture(model, (torch.randn(2, 8, 64),)).notes == ()
