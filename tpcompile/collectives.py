@@ -226,7 +226,9 @@ class _GatheredLinears(torch.autograd.Function):
         ctx.args = (dim, width, index, mine, keep, group_size, group)
         ctx.has_bias = [b is not None for _, b in pairs]
         ctx.save_for_backward(x, *[w for w, _ in pairs])
-        return tuple(torch.nn.functional.linear(full, w, b) for w, b in pairs)
+        # the bias out of place: linear(x, w, b) returns a view, and a view returned by a
+        # Function may not be written in place (ReLU(inplace=True) on it would be refused)
+        return tuple(_linear(full, w, b) for w, b in pairs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -241,6 +243,11 @@ class _GatheredLinears(torch.autograd.Function):
             out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
         local = _own_slice(_all_reduce(dx, group), dim, mine, keep)
         return (local, None, None, None, None, None, None, None, *out)
+
+
+def _linear(x, w, b):
+    y = torch.nn.functional.linear(x, w)
+    return y if b is None else y + b
 
 
 def gathered_linears(x, dim, width, index, mine, keep, group_size, group, *weights_and_biases):
