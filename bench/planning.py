@@ -2,7 +2,7 @@
 
     python bench/planning.py                     # the sweep: markdown table, JSON in results/
     python bench/planning.py --quick             # a shorter sweep (a minute on 2 cores)
-    python bench/planning.py --breakdown         # where a 7B capture's time goes
+    python bench/planning.py --breakdown         # where a 7B capture's time goes (~40 s)
 
 Each point runs in a fresh subprocess, so its peak resident memory (``ru_maxrss``) is its own
 and no cache (fake-tensor, sympy, linecache) carries over from a smaller model. A point is what
@@ -17,8 +17,9 @@ query / 8 KV heads, SwiGLU 28672), both vocabulary 32000, 2 x 2048 tokens, world
 Growth is judged per captured graph node: seconds per node at the smallest and the largest
 point, and a least-squares line ``seconds = a + b * nodes`` with its worst relative residual.
 
-``--breakdown`` re-captures the 7B shape three ways (as shipped; without FX stack traces;
-with static shapes) to show what the dynamic dims and the stack traces cost.
+``--breakdown`` times torch.export alone on the 7B shape three ways (dynamic dims with FX stack
+traces, as before this benchmark's optimisation; dynamic without them, as shipped; static
+shapes) to show what the dynamic dims and the stack traces cost.
 """
 
 from __future__ import annotations
@@ -45,11 +46,20 @@ GOALS_S = {("7B", 32): 5.0, ("70B", 80): 30.0}
 GOAL_RSS_MB = 2048
 
 
-def measure_point(shape: str, layers: int, world_size: int, seq: int, capture_mode: str) -> dict:
-    """One point, in this process: build on meta, capture, plan, rewrite rank 0."""
-    import torch.fx.config as fx_config
-
+def _meta_llama(shape: str, layers: int, seq: int):
     from tpcompile import models
+
+    cfg = models.ModelConfig(vocab=32000, n_layers=layers, max_seq=seq, bias=False,
+                             **SHAPES[shape])
+    with torch.device("meta"):
+        model = models.Llama(cfg)
+    warm = models.build("mlp")  # pay torch.export's one-time imports outside the timings
+    torch.export.export(warm, models.example_inputs(warm, 2, 8), strict=False)
+    return model, torch.zeros(2, seq, dtype=torch.long, device="meta")
+
+
+def measure_point(shape: str, layers: int, world_size: int, seq: int) -> dict:
+    """One point, in this process: build on meta, capture, plan, rewrite rank 0."""
     from tpcompile.api import rewrite_passes
     from tpcompile.capture import capture
     from tpcompile.passes.bias import split_bias_pass
@@ -57,16 +67,9 @@ def measure_point(shape: str, layers: int, world_size: int, seq: int, capture_mo
     from tpcompile.pipeline import run_passes
     from tpcompile.plan import PlanOptions
 
-    cfg = models.ModelConfig(vocab=32000, n_layers=layers, max_seq=seq, bias=False,
-                             **SHAPES[shape])
-    with torch.device("meta"):
-        model = models.Llama(cfg)
-    tokens = torch.zeros(2, seq, dtype=torch.long, device="meta")
-    warm = models.build("mlp")  # pay torch.export's one-time imports outside the timings
-    capture(warm, models.example_inputs(warm, 2, 8))
-    fx_config.do_not_emit_stack_traces = capture_mode == "no stack traces"
+    model, tokens = _meta_llama(shape, layers, seq)
     t0 = time.perf_counter()
-    cap = capture(model, (tokens,), dynamic=capture_mode != "static shapes")
+    cap = capture(model, (tokens,))
     t1 = time.perf_counter()
     split_bias_pass(cap.gm)
     plan = plan_sharding(cap, world_size, PlanOptions())
@@ -75,16 +78,35 @@ def measure_point(shape: str, layers: int, world_size: int, seq: int, capture_mo
     run_passes(cap.gm, rewrite_passes(plan, 0, "tp"))
     t3 = time.perf_counter()
     return {"shape": shape, "layers": layers, "world_size": world_size, "seq": seq,
-            "capture_mode": capture_mode, "nodes": nodes,
+            "nodes": nodes,
             "params": sum(p.numel() for p in model.parameters()),
             "capture_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2, "total_s": t3 - t0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _in_subprocess(shape: str, layers: int, world_size: int, seq: int, mode: str) -> dict:
+EXPORT_MODES = {  # --breakdown: label -> (dynamic dims, FX stack traces)
+    "dynamic + stack traces (before)": (True, True),
+    "dynamic (as shipped)": (True, False),
+    "static shapes": (False, False),
+}
+
+
+def measure_export(shape: str, layers: int, seq: int, mode: str) -> dict:
+    """torch.export alone, as tpcompile calls it, in one of ``EXPORT_MODES``."""
+    from tpcompile.capture import _export  # the call capture() makes, to time it alone
+
+    model, tokens = _meta_llama(shape, layers, seq)
+    dynamic, stack_traces = EXPORT_MODES[mode]
+    t0 = time.perf_counter()
+    ep = _export(model, (tokens,), {}, dynamic, (), stack_traces)
+    return {"mode": mode, "shape": shape, "layers": layers, "export_s": time.perf_counter() - t0,
+            "nodes": len(ep.graph.nodes),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _in_subprocess(call: str) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import planning; print(json.dumps(planning.measure_point("
-            f"{shape!r}, {layers}, {world_size}, {seq}, {mode!r})))")
+            f"import planning; print(json.dumps(planning.{call}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -98,9 +120,8 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return a, b, max(abs(y - (a + b * x)) / y for x, y in zip(xs, ys))
 
 
-def markdown(rows: list[dict], first: str = "shape") -> str:
-    """One row per point; ``first``: the row label ('shape', or 'capture_mode' for --breakdown)."""
-    lines = [f"| {first.replace('_', ' ')} | layers | parameters | graph nodes | capture s | plan s | rewrite s "
+def markdown(rows: list[dict]) -> str:
+    lines = ["| shape | layers | parameters | graph nodes | capture s | plan s | rewrite s "
              "| total s | ms / node | peak RSS MB | goal |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -108,7 +129,7 @@ def markdown(rows: list[dict], first: str = "shape") -> str:
         verdict = "" if goal is None else (
             f"< {goal:.0f} s: {'met' if r['total_s'] < goal else 'missed'}")
         lines.append(
-            f"| {r[first]} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['nodes']:,} | "
+            f"| {r['shape']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['nodes']:,} | "
             f"{r['capture_s']:.2f} | {r['plan_s']:.2f} | {r['rewrite_s']:.2f} | "
             f"{r['total_s']:.2f} | {1e3 * r['total_s'] / r['nodes']:.2f} | "
             f"{r['peak_rss_mb']:.0f} | {verdict} |")
@@ -131,32 +152,43 @@ def growth(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def breakdown_markdown(rows: list[dict]) -> str:
+    base = rows[0]["export_s"]
+    lines = ["| torch.export of the 7B shape, 32 layers | seconds | vs before | peak RSS MB |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {r['mode']} | {r['export_s']:.2f} | {r['export_s'] / base:.2f}x | "
+              f"{r['peak_rss_mb']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="4 points instead of 8")
     p.add_argument("--breakdown", action="store_true",
-                   help="7B at 32 layers: as shipped, without stack traces, static shapes")
+                   help="torch.export of the 7B shape: with / without stack traces, static")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--out", default="planning")
+    p.add_argument("--out", help="results file stem (default: planning, planning-breakdown)")
     args = p.parse_args(argv)
-    if args.breakdown:
-        points = [("7B", 32, mode) for mode in ("dynamic", "no stack traces", "static shapes")]
-    else:
-        points = [(s, n, "dynamic") for s, n in (QUICK if args.quick else SWEEP)]
+    out = args.out or ("planning-breakdown" if args.breakdown else "planning")
     rows = []
-    for shape, layers, mode in points:
-        rows.append(_in_subprocess(shape, layers, args.world_size, args.seq, mode))
-        r = rows[-1]
-        print(f"  {shape} {layers} layers ({mode}): {r['total_s']:.2f} s, "
-              f"{r['peak_rss_mb']:.0f} MB", file=sys.stderr)
-    table = markdown(rows, "capture_mode" if args.breakdown else "shape")
-    summary = growth(rows) if not args.breakdown else ""
+    if args.breakdown:
+        for mode in EXPORT_MODES:
+            rows.append(_in_subprocess(f"measure_export('7B', 32, {args.seq}, {mode!r})"))
+            print(f"  {mode}: {rows[-1]['export_s']:.2f} s", file=sys.stderr)
+        table, summary = breakdown_markdown(rows), ""
+    else:
+        for shape, layers in QUICK if args.quick else SWEEP:
+            rows.append(_in_subprocess(
+                f"measure_point({shape!r}, {layers}, {args.world_size}, {args.seq})"))
+            print(f"  {shape} {layers} layers: {rows[-1]['total_s']:.2f} s, "
+                  f"{rows[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr)
+        table, summary = markdown(rows), growth(rows)
     RESULTS.mkdir(exist_ok=True)
     result = {"torch": torch.__version__, "world_size": args.world_size, "seq": args.seq,
               "rows": rows, "growth": summary}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / f"{args.out}.md").write_text(table + ("\n\n" + summary if summary else "") + "\n")
+    (RESULTS / f"{out}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{out}.md").write_text(table + ("\n\n" + summary if summary else "") + "\n")
     print(table)
     if summary:
         print("\n" + summary)
