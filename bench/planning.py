@@ -14,10 +14,13 @@ The weights are never allocated.
 Two shapes, as in the Llama 2 papers: *7B* (hidden 4096, 32 query / 32 KV heads would be
 Llama 2; here 8 KV heads as in the other benchmarks, SwiGLU 11008) and *70B* (hidden 8192, 64
 query / 8 KV heads, SwiGLU 28672), both vocabulary 32000, 2 x 2048 tokens, world size 8.
-Growth is judged per captured graph node: seconds per node at the smallest and the largest
+The 7B and 70B points are also measured with static shapes, as ``plan_model(...,
+dynamic=False)`` and ``explain(..., dynamic=False)`` capture (planning that never runs the graph
+at other sizes). Growth is judged per captured graph node: seconds per node at the smallest and the largest
 point, and a least-squares line ``seconds = a + b * nodes`` with its worst relative residual.
 
-``--breakdown`` times torch.export alone on the 7B shape three ways (dynamic dims with FX stack
+``--breakdown`` times torch.export alone on the 7B shape (median of 3 interleaved rounds) three
+ways (dynamic dims with FX stack
 traces, as before this benchmark's optimisation; dynamic without them, as shipped; static
 shapes) to show what the dynamic dims and the stack traces cost.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +46,7 @@ SHAPES = {
 SWEEP = [("7B", 2), ("7B", 8), ("7B", 16), ("7B", 32), ("70B", 2), ("70B", 20), ("70B", 40),
          ("70B", 80)]
 QUICK = [("7B", 2), ("7B", 8), ("7B", 32), ("70B", 80)]
+STATIC = [("7B", 32), ("70B", 80)]  # also planned as plan_model / explain(dynamic=False) do
 GOALS_S = {("7B", 32): 5.0, ("70B", 80): 30.0}
 GOAL_RSS_MB = 2048
 
@@ -58,7 +63,7 @@ def _meta_llama(shape: str, layers: int, seq: int):
     return model, torch.zeros(2, seq, dtype=torch.long, device="meta")
 
 
-def measure_point(shape: str, layers: int, world_size: int, seq: int) -> dict:
+def measure_point(shape: str, layers: int, world_size: int, seq: int, dynamic: bool = True) -> dict:
     """One point, in this process: build on meta, capture, plan, rewrite rank 0."""
     from tpcompile.api import rewrite_passes
     from tpcompile.capture import capture
@@ -69,7 +74,7 @@ def measure_point(shape: str, layers: int, world_size: int, seq: int) -> dict:
 
     model, tokens = _meta_llama(shape, layers, seq)
     t0 = time.perf_counter()
-    cap = capture(model, (tokens,))
+    cap = capture(model, (tokens,), dynamic=dynamic)
     t1 = time.perf_counter()
     split_bias_pass(cap.gm)
     plan = plan_sharding(cap, world_size, PlanOptions())
@@ -78,7 +83,7 @@ def measure_point(shape: str, layers: int, world_size: int, seq: int) -> dict:
     run_passes(cap.gm, rewrite_passes(plan, 0, "tp"))
     t3 = time.perf_counter()
     return {"shape": shape, "layers": layers, "world_size": world_size, "seq": seq,
-            "nodes": nodes,
+            "capture": "dynamic" if dynamic else "static", "nodes": nodes,
             "params": sum(p.numel() for p in model.parameters()),
             "capture_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2, "total_s": t3 - t0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -121,15 +126,15 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | layers | parameters | graph nodes | capture s | plan s | rewrite s "
-             "| total s | ms / node | peak RSS MB | goal |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| shape | layers | capture | parameters | graph nodes | capture s | plan s "
+             "| rewrite s | total s | ms / node | peak RSS MB | goal |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         goal = GOALS_S.get((r["shape"], r["layers"]))
         verdict = "" if goal is None else (
             f"< {goal:.0f} s: {'met' if r['total_s'] < goal else 'missed'}")
         lines.append(
-            f"| {r['shape']} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['nodes']:,} | "
+            f"| {r['shape']} | {r['layers']} | {r['capture']} | {r['params'] / 1e9:.2f}B | {r['nodes']:,} | "
             f"{r['capture_s']:.2f} | {r['plan_s']:.2f} | {r['rewrite_s']:.2f} | "
             f"{r['total_s']:.2f} | {1e3 * r['total_s'] / r['nodes']:.2f} | "
             f"{r['peak_rss_mb']:.0f} | {verdict} |")
@@ -140,7 +145,7 @@ def growth(rows: list[dict]) -> str:
     """Per shape: the linear fit over nodes, and the per-node cost at both ends."""
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        pts = [r for r in rows if r["shape"] == shape]
+        pts = [r for r in rows if r["shape"] == shape and r["capture"] == "dynamic"]
         if len(pts) < 2:
             continue
         a, b, worst = linear_fit([r["nodes"] for r in pts], [r["total_s"] for r in pts])
@@ -172,16 +177,21 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     out = args.out or ("planning-breakdown" if args.breakdown else "planning")
     rows = []
-    if args.breakdown:
-        for mode in EXPORT_MODES:
-            rows.append(_in_subprocess(f"measure_export('7B', 32, {args.seq}, {mode!r})"))
-            print(f"  {mode}: {rows[-1]['export_s']:.2f} s", file=sys.stderr)
+    if args.breakdown:  # modes interleaved, 3 rounds, median per mode
+        runs = {mode: [] for mode in EXPORT_MODES}
+        for _ in range(3):
+            for mode in EXPORT_MODES:
+                runs[mode].append(_in_subprocess(f"measure_export('7B', 32, {args.seq}, {mode!r})"))
+                print(f"  {mode}: {runs[mode][-1]['export_s']:.2f} s", file=sys.stderr)
+        rows = [{**r[0], "export_s": statistics.median(x["export_s"] for x in r),
+                 "runs_s": [x["export_s"] for x in r]} for r in runs.values()]
         table, summary = breakdown_markdown(rows), ""
     else:
-        for shape, layers in QUICK if args.quick else SWEEP:
+        points = [(s, n, True) for s, n in (QUICK if args.quick else SWEEP)]
+        for shape, layers, dynamic in points + [(s, n, False) for s, n in STATIC]:
             rows.append(_in_subprocess(
-                f"measure_point({shape!r}, {layers}, {args.world_size}, {args.seq})"))
-            print(f"  {shape} {layers} layers: {rows[-1]['total_s']:.2f} s, "
+                f"measure_point({shape!r}, {layers}, {args.world_size}, {args.seq}, {dynamic})"))
+            print(f"  {shape} {layers} layers ({rows[-1]['capture']}): {rows[-1]['total_s']:.2f} s, "
                   f"{rows[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr)
         table, summary = markdown(rows), growth(rows)
     RESULTS.mkdir(exist_ok=True)
