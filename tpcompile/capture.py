@@ -13,7 +13,7 @@ Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths st
 the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
 
 Export runs without FX stack traces (``node.meta['stack_trace']``): recording one per node is a
-quarter of a large model's capture time (``bench/planning.py --breakdown``), and only error
+sixth of a large model's capture time (``bench/planning.py --breakdown``), and only error
 messages read them: the in-place write checks name the model line that writes. A graph with
 in-place ops is therefore captured a second time with stack traces.
 """

@@ -28,8 +28,8 @@ from tpcompile.errors import CaptureError
 
 __all__ = ["forward_state_guard", "custom_function_calls", "refuse_custom_functions"]
 
-_STANDARD = frozenset(nn.Module().__dict__)
-_CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)  # parameters, buffers, hooks, training...
+_STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, training...
+_CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
 
 
 def _attributes(model: nn.Module) -> dict[str, dict[str, object]]:
@@ -77,7 +77,7 @@ def custom_function_calls():
     Yields a list that fills with ``(Function class name, 'file:line' of the call)``.
     ``Function.apply`` is wrapped for the duration of the block only (and restored even on an
     error): detecting the Functions from the captured nodes' stack traces instead would need
-    torch.export to record a stack trace per node, a quarter of a capture's time. A Function
+    torch.export to record a stack trace per node, a sixth of a capture's time. A Function
     that overrides ``apply`` itself is not seen. torch's custom-op machinery applies its own
     Functions around ops registered with ``torch.library.custom_op``; those ops stay whole in
     the graph with their registered backward, so those Functions are not recorded.
