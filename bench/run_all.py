@@ -40,7 +40,8 @@ def sections(quick: bool) -> list[tuple[str, list[str]]]:
              "--only", variants])
            for model in ("llama", "gpt2") for ws in (2, 4)]
     out += [("communication vs Megatron's bound", ["communication.py"]),
-            ("planning scale", ["planning.py"] + (["--quick"] if quick else [])),
+            ("planning scale", ["planning.py"] + (["--quick", "--out", "planning-quick"]
+                                                  if quick else [])),
             ("parameter memory vs the ideal", ["memory.py", "--vs-ideal"])]
     return out
 
