@@ -9,6 +9,12 @@ memory a training step holds at the forward/backward boundary. Measured with
 ``torch.autograd.graph.saved_tensors_hooks``: each distinct storage counted once, parameter
 storages left out (they are parameter memory). World size 1 is the unsharded model.
 
+*Versus the ideal* (``--vs-ideal``): per-rank trainable parameter bytes of the largest rank
+against ``sharded / N + replicated``, where *sharded* is every tensor the plan cuts and
+*replicated* every tensor it keeps whole; the gap is what uneven shards cost. Read from the plan
+without a process group (``tpcompile.explain``: the shapes ``materialize_params`` allocates),
+so it also covers Llama-7B and 70B shapes built on meta at world size 8.
+
 Without sequence parallelism the residual stream, norms and embeddings stay replicated, so
 activations shrink less than parameters; with it (``sequence_parallel=True``) they shrink by
 about the world size too. World size 1 has no SP column (there is nothing to shard).
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -63,6 +70,53 @@ def measure(world_sizes, names) -> list[dict]:
     return rows
 
 
+def vs_ideal(name: str, model, inputs, world_size: int) -> dict:
+    """Largest rank's trainable parameter bytes against sharded / N + replicated."""
+    report = tpcompile.explain(model, inputs, world_size)
+    unique = {tuple(e.aliases): e for e in report.params.values() if e.trainable}
+    sharded = replicated = 0
+    for e in unique.values():
+        size = math.prod(e.global_shape) * getattr(torch, e.dtype).itemsize
+        if e.style == "replicate":
+            replicated += size
+        else:
+            sharded += size
+    ideal = sharded / world_size + replicated
+    actual = max(report.param_bytes_per_rank)
+    return {"model": name, "world_size": world_size, "sharded_bytes": sharded,
+            "replicated_bytes": replicated, "ideal_bytes": ideal, "max_rank_bytes": actual,
+            "over_ideal": actual / ideal - 1}
+
+
+def ideal_matrix() -> list[dict]:
+    rows = []
+    for name in MODELS:
+        model = models.build(name, **CONFIG)
+        for ws in (2, 4, 8):
+            rows.append(vs_ideal(name, model, models.example_inputs(model, BATCH, SEQ), ws))
+    uneven = models.build("llama", dim=96, n_heads=6, n_kv_heads=6, hidden=100, n_layers=2)
+    rows.append(vs_ideal("llama, 6 heads, hidden 100 (uneven)", uneven,
+                         models.example_inputs(uneven, BATCH, 16), 4))
+    for label, shape in (("llama 7B shape", dict(dim=4096, n_layers=32, n_heads=32, hidden=11008)),
+                         ("llama 70B shape, 8 layers", dict(dim=8192, n_layers=8, n_heads=64,
+                                                            hidden=28672))):
+        with torch.device("meta"):
+            model = models.build("llama", vocab=32000, n_kv_heads=8, max_seq=2048, **shape)
+        tokens = torch.zeros(2, 2048, dtype=torch.long, device="meta")
+        rows.append(vs_ideal(label, model, (tokens,), 8))
+    return rows
+
+
+def ideal_markdown(rows: list[dict]) -> str:
+    lines = ["| model | ranks | sharded (MiB) | replicated (MiB) | ideal / rank (MiB) "
+             "| largest rank (MiB) | over ideal |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['world_size']} | {_mib(r['sharded_bytes'])} | "
+                     f"{_mib(r['replicated_bytes'])} | {_mib(r['ideal_bytes'])} | "
+                     f"{_mib(r['max_rank_bytes'])} | {r['over_ideal']:.2%} |")
+    return "\n".join(lines)
+
+
 def _mib(n) -> str:
     return NOT_AVAILABLE if n is None else f"{n / 2**20:.2f}"
 
@@ -88,7 +142,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--vs-ideal", action="store_true",
+                        help="parameter bytes against the ideal, from plans (no process group)")
     args = parser.parse_args(argv)
+    if args.vs_ideal:
+        rows = ideal_matrix()
+        table = ideal_markdown(rows)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "memory-ideal.json").write_text(json.dumps({"rows": rows}, indent=1))
+        (RESULTS / "memory-ideal.md").write_text(table + "\n")
+        print(table)
+        return
     rows = measure(args.world_sizes, args.models)
     table = markdown(rows)
     RESULTS.mkdir(exist_ok=True)

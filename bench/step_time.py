@@ -9,6 +9,12 @@ Every rank builds the same model once and holds every variant at the same time:
     tpcompile eager                tpcompile.parallelize(model, inputs)
     tpcompile compiled (+overlap)  torch.compile(tp, options=tpcompile.compile_options(overlap))
     tpcompile backend              torch.compile(model, backend=tpcompile.backend())
+    unsharded                      the whole model on every rank (the ideal's compute term)
+
+*Ideal* step time: the unsharded step (measured side by side, every rank running it at once,
+so it sees the same contention) divided by N, plus the time of tpcompile's own collectives
+replayed alone (the same calls, sizes and order, timed like a step). "vs ideal" is a variant's
+step time over that.
 
 Compiled variants compile cold (``fresh_inductor_cache``, after one throwaway compile pays
 inductor's one-time imports): compile time is the first two forward + backward steps minus two
@@ -46,6 +52,8 @@ from tpcompile.check import rel_err  # noqa: E402
 from tpcompile.inductor import collective_kind  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+UNSHARDED = "unsharded"
+IDEAL_OF = "tpcompile eager"  # whose collectives the ideal's communication term replays
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ def _variants(cfg: Config, model, inputs, mesh) -> list[Variant]:
             list(tp.parameters()), tp_setup, True),
         Variant("tpcompile backend", torch.compile(swapped, backend=tpcompile.backend(mesh=mesh)),
                 None, 0.0, True),
+        Variant(UNSHARDED, model, list(model.parameters()), 0.0, False),
     ]
     wanted = [w.strip() for w in cfg.only.split(",") if w.strip()]
     unknown = set(wanted) - {v.name for v in every}
@@ -135,13 +144,14 @@ def _local_bytes(params) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def _collectives(v: Variant, inputs) -> tuple[dict, int]:
-    """Collectives of one forward + backward, and the bytes of their per-rank input buffers."""
+def _collectives(v: Variant, inputs) -> tuple[dict, int, list]:
+    """Collectives of one forward + backward, the bytes of their per-rank input buffers, and
+    the calls themselves as (kind, input shape) in order."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         v.module(*inputs).float().pow(2).mean().backward()
-    counts, nbytes = {}, 0
+    counts, nbytes, calls = {}, 0, []
     for e in prof.events():
         namespace, _, op = e.name.partition("::")
         kind = collective_kind(op) if namespace == "_c10d_functional" else None
@@ -150,7 +160,25 @@ def _collectives(v: Variant, inputs) -> tuple[dict, int]:
         counts[kind] = counts.get(kind, 0) + 1
         shape = e.input_shapes[0] if e.input_shapes else []
         nbytes += v.params[0].element_size() * int(torch.tensor(shape).prod().item())
-    return counts, nbytes
+        calls.append((kind, list(shape)))
+    return counts, nbytes, calls
+
+
+def _replay(cfg, calls: list, dtype) -> float:
+    """One step's collectives alone: the same kinds and sizes, in order, timed like a step."""
+    world = dist.get_world_size()
+    buffers = [(kind, torch.ones(shape, dtype=dtype, device=cfg.device)) for kind, shape in calls]
+    dist.barrier()
+    start = time.perf_counter()
+    for kind, t in buffers:
+        if kind == "all_gather":
+            dist.all_gather_into_tensor(t.new_empty((world * t.shape[0], *t.shape[1:])), t)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(t.new_empty((t.shape[0] // world, *t.shape[1:])), t)
+        else:
+            dist.all_reduce(t)
+    _sync(cfg)
+    return time.perf_counter() - start
 
 
 def rank_main(rank: int, world_size: int, config: dict) -> dict:
@@ -185,16 +213,28 @@ def rank_main(rank: int, world_size: int, config: dict) -> dict:
             times[v.name]["forward"].append(_forward(cfg, v, inputs))
         for v in order.sample(variants, len(variants)):
             times[v.name]["step"].append(_step(cfg, v, inputs, v.params))
+    replayed = []
     for v in variants:
-        counts, nbytes = _collectives(v, inputs)
+        counts, nbytes, calls = _collectives(v, inputs)
         result[v.name].update(times[v.name], collectives=counts, comm_bytes=nbytes)
+        if v.name == IDEAL_OF:
+            replayed = [_replay(cfg, calls, reference.dtype) for _ in range(cfg.steps)]
+    if IDEAL_OF in result:
+        result[IDEAL_OF]["comm"] = replayed
     return {"variants": result, "unsharded_param_bytes": _local_bytes(model.parameters())}
 
 
 def _summarize(per_rank: list[dict]) -> dict:
     """Per variant: medians over steps of the slowest rank's time; the rest from rank 0."""
     per_rank = [r["variants"] for r in per_rank]
-    out = {}
+    out, ideal_ms = {}, None
+    if UNSHARDED in per_rank[0] and IDEAL_OF in per_rank[0]:
+        n = len(per_rank)
+        whole = statistics.median(max(r[UNSHARDED]["step"][i] for r in per_rank)
+                                  for i in range(len(per_rank[0][UNSHARDED]["step"])))
+        comm = statistics.median(max(r[IDEAL_OF]["comm"][i] for r in per_rank)
+                                 for i in range(len(per_rank[0][IDEAL_OF]["comm"])))
+        ideal_ms = 1e3 * (whole / n + comm)
     for name, r0 in per_rank[0].items():
         slowest = {k: [max(r[name][k][i] for r in per_rank) for i in range(len(r0[k]))]
                    for k in ("forward", "step")}
@@ -207,6 +247,7 @@ def _summarize(per_rank: list[dict]) -> dict:
             "setup_s": r0["setup_s"],
             "collectives": r0["collectives"], "comm_bytes": r0["comm_bytes"],
             "param_bytes": r0["param_bytes"], "max_err": max(r[name]["max_err"] for r in per_rank),
+            "ideal_ms": ideal_ms,
         }
     return out
 
@@ -215,13 +256,15 @@ def table(summary: dict) -> str:
     first = next(iter(summary))
     base = summary[first]["step_ms"]
     rows = [f"| variant | forward ms | fwd+bwd ms | fwd+bwd vs {first} | setup s | compile s "
-            "| collectives / step | comm bytes / step | param bytes / rank | max rel err |",
-            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+            "| vs ideal | collectives / step | comm bytes / step | param bytes / rank | max rel err |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, s in summary.items():
         comm = ", ".join(f"{n} {k}" for k, n in sorted(s["collectives"].items())) or "none"
         compile_s = "-" if s["compile_s"] is None else f"{s['compile_s']:.1f}"
+        ideal = ("-" if s["ideal_ms"] is None or name == UNSHARDED
+                 else f"{s['step_ms'] / s['ideal_ms']:.2f}x")
         rows.append(f"| {name} | {s['forward_ms']:.1f} | {s['step_ms']:.1f} | "
-                    f"{s['step_ms'] / base:.2f}x | {s['setup_s']:.1f} | {compile_s} | {comm} | "
+                    f"{s['step_ms'] / base:.2f}x | {s['setup_s']:.1f} | {compile_s} | {ideal} | {comm} | "
                     f"{s['comm_bytes']:,} | "
                     f"{s['param_bytes']:,} | {s['max_err']:.1e} |")
     return "\n".join(rows)

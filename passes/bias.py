@@ -62,5 +62,4 @@ def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         node.replace_all_uses_with(mm)
         g.erase_node(node)
-    gm.recompile()
     return gm

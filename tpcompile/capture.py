@@ -11,6 +11,11 @@ in forward) is refused by :mod:`tpcompile.capture_checks`.
 
 Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths stay symbolic and
 the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
+
+Export runs without FX stack traces (``node.meta['stack_trace']``): recording one per node is a
+sixth of a large model's capture time (``bench/planning.py --breakdown``), and only error
+messages read them: the in-place write checks name the model line that writes. A graph with
+in-place ops is therefore captured a second time with stack traces.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
-from tpcompile.capture_checks import check_autograd_functions, forward_state_guard
+from tpcompile.capture_checks import (
+    custom_function_calls, forward_state_guard, refuse_custom_functions,
+)
 from tpcompile.errors import CaptureError
 from tpcompile.runtime import TPModule
 
@@ -118,12 +125,28 @@ def _capture_settings(model: nn.Module, notes: list[str]):
             config.use_cache = use_cache
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: tuple[int, ...]):
+@contextlib.contextmanager
+def _stack_traces(record: bool):
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = not record
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+
+
+def _writes_in_place(gm: fx.GraphModule) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: tuple[int, ...],
+            stack_traces: bool):
     shapes = None
     if dynamic:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
         shapes = {name: _auto(value, static) for name, value in bound.arguments.items()}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _stack_traces(stack_traces):
         warnings.simplefilter("ignore")
         return torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
                                    strict=False)
@@ -152,8 +175,13 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     if dynamic:
         notes += _specialised_sizes(model, args, kwargs, static_dims)
     try:
-        with _capture_settings(model, notes), forward_state_guard(model):
-            ep = _export(model, args, kwargs, dynamic, static_dims)
+        with (_capture_settings(model, notes), forward_state_guard(model),
+              custom_function_calls() as applied):
+            ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=False)
+        refuse_custom_functions(applied)
+        if _writes_in_place(ep.graph_module):
+            with _capture_settings(model, []), forward_state_guard(model):
+                ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=True)
     except CaptureError:
         raise
     except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
@@ -177,7 +205,6 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             "make forward traceable (no data-dependent Python control flow, tensors in and out)"
         ) from e
     gm = ep.module()
-    check_autograd_functions(gm)
     aliases_by_id = param_aliases(model)
     aliases, params = {}, set()
     for node in gm.graph.nodes:

@@ -3,7 +3,7 @@
 - *Custom autograd Functions*: export traces through ``forward`` and keeps no trace of
   ``backward``, so a parallelized model would differentiate the forward's ops instead of the
   Function's own backward (straight-through estimators, recomputation tricks): gradients that
-  differ from the model's. Detected from the captured nodes' stack traces.
+  differ from the model's. Detected by recording ``Function.apply`` during the capture.
 - *Python state assigned in forward* (``self.step += 1``, ``self.cache = h``): the graph is
   traced once, so the parallelized model would run forever with the values of the capture call
   (export restores ints and warns about tensors, but keeps new attributes on the model).
@@ -17,16 +17,19 @@ the graph and are not affected: the parallelized module updates its own copies.
 from __future__ import annotations
 
 import contextlib
-import re
+import os
+import sys
+import threading
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from tpcompile.errors import CaptureError
 
-__all__ = ["forward_state_guard", "check_autograd_functions"]
+__all__ = ["forward_state_guard", "custom_function_calls", "refuse_custom_functions"]
 
 _STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, training...
+_CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
 
 
 def _attributes(model: nn.Module) -> dict[str, dict[str, object]]:
@@ -67,43 +70,43 @@ def forward_state_guard(model: nn.Module):
             "an input")
 
 
-def _function_forwards() -> dict[str, list[tuple[int, int, str]]]:
-    """file -> [(first line, last line, class)] of every custom autograd Function's forward."""
-    out: dict[str, list[tuple[int, int, str]]] = {}
-    todo, seen = list(torch.autograd.Function.__subclasses__()), set()
-    while todo:
-        cls = todo.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        todo.extend(cls.__subclasses__())
-        forward = cls.__dict__.get("forward")
-        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
-        if code is None:
-            continue
-        lines = [line for _, _, line in code.co_lines() if line is not None]
-        out.setdefault(code.co_filename, []).append((min(lines), max(lines), cls.__qualname__))
-    return out
+@contextlib.contextmanager
+def custom_function_calls():
+    """Record every ``torch.autograd.Function`` applied by this thread inside the block.
+
+    Yields a list that fills with ``(Function class name, 'file:line' of the call)``.
+    ``Function.apply`` is wrapped for the duration of the block only (and restored even on an
+    error): detecting the Functions from the captured nodes' stack traces instead would need
+    torch.export to record a stack trace per node, a sixth of a capture's time. A Function
+    that overrides ``apply`` itself is not seen. torch's custom-op machinery applies its own
+    Functions around ops registered with ``torch.library.custom_op``; those ops stay whole in
+    the graph with their registered backward, so those Functions are not recorded.
+    """
+    original = torch.autograd.Function.__dict__["apply"]
+    thread, calls = threading.get_ident(), []
+
+    def apply(cls, *args, **kwargs):
+        forward = getattr(cls.forward, "__code__", None)
+        if threading.get_ident() == thread and not (
+                forward is not None and forward.co_filename.startswith(_CUSTOM_OP_MACHINERY)):
+            caller = sys._getframe(1)
+            calls.append((cls.__qualname__, f"{caller.f_code.co_filename}:{caller.f_lineno}"))
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield calls
+    finally:
+        torch.autograd.Function.apply = original
 
 
-def check_autograd_functions(gm: fx.GraphModule) -> None:
-    """Raise if a captured op was traced from inside a custom autograd Function's forward."""
-    forwards = None
-    for node in gm.graph.nodes:
-        trace = node.meta.get("stack_trace")
-        if not trace:
-            continue
-        frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-        forwards = _function_forwards() if forwards is None else forwards
-        for i, (path, line) in enumerate(frames):
-            hit = next((name for lo, hi, name in forwards.get(path, ())
-                        if lo <= int(line) <= hi), None)
-            if hit is None:
-                continue
-            called = f" (applied at {frames[i - 1][0]}:{frames[i - 1][1]})" if i else ""
-            raise CaptureError(
-                f"{hit} is a custom torch.autograd.Function{called}: torch.export traces through "
-                "its forward and drops its backward, so the parallelized model's gradients "
-                "would not be the model's\n  hint: register it as a custom op "
-                "(torch.library.custom_op with register_autograd): tpcompile keeps such an op "
-                "whole (gathering sharded inputs) and its backward runs as written")
+def refuse_custom_functions(calls: list[tuple[str, str]]) -> None:
+    """Raise if the traced forward applied a custom autograd Function (see the module doc)."""
+    if calls:
+        name, where = calls[0]
+        raise CaptureError(
+            f"{name} is a custom torch.autograd.Function (applied at {where}): torch.export "
+            "traces through its forward and drops its backward, so the parallelized model's "
+            "gradients would not be the model's\n  hint: register it as a custom op "
+            "(torch.library.custom_op with register_autograd): tpcompile keeps such an op "
+            "whole (gathering sharded inputs) and its backward runs as written")

@@ -58,13 +58,15 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
                   example_kwargs: dict | None = None, options: PlanOptions = PlanOptions(),
                   render: Callable[[fx.GraphModule], str] | None = None,
                   copy_weights: bool = True, group_name: str = "tp",
-                  progress: Callable[[str], None] | None = None) -> RewriteTrace:
+                  progress: Callable[[str], None] | None = None,
+                  dynamic: bool = True) -> RewriteTrace:
     """Capture, plan for ``world_size`` ranks and rewrite rank ``rank``'s graph.
 
     ``example_kwargs`` and ``options`` are ``parallelize``'s (vocabulary, loss and sequence
-    parallelism), so the trace is what that call would run. ``render``: a ``gm -> str`` snapshot taken after capture and after every pass (the diff's
-    input); None keeps no snapshots. ``copy_weights=False`` skips ``materialize_params``: the
-    report needs the graph, not a copy of every weight of a real 7B model.
+    parallelism), so the trace is what that call would run. ``render``: a ``gm -> str``
+    snapshot taken after capture and after every pass (the diff's input); None keeps none. ``copy_weights=False`` skips ``materialize_params``: the
+    report needs the graph, not a copy of every weight of a real 7B model. ``dynamic=False``
+    captures with static shapes (see :func:`tpcompile.capture.capture`).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise TPCompileError(f"need world_size >= 1 and 0 <= rank < world_size, got world_size "
@@ -73,7 +75,8 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     n_params = sum(p.numel() for p in model.parameters())
     _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
     start = time.perf_counter()
-    cap = capture(model, example_inputs, example_kwargs, static_dims=options.static_dims)
+    cap = capture(model, example_inputs, example_kwargs, dynamic=dynamic,
+                  static_dims=options.static_dims)
     stages = [("capture", render(cap.gm))] if render else []
     _tell(progress, f"captured {sum(1 for _ in cap.gm.graph.nodes)} graph nodes in "
                       f"{time.perf_counter() - start:.1f}s; planning for {world_size} ranks")

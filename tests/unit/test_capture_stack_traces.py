@@ -1,0 +1,55 @@
+"""Capture records FX stack traces only where an error message needs them (it is a sixth of
+export's time on a large model), and its ``Function.apply`` recording leaves torch as it was."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import pytest
+import torch
+
+import catalogue_models as cm
+from tpcompile import CaptureError, models
+from tpcompile.capture import capture
+from tpcompile.capture_checks import custom_function_calls
+
+
+def _x():
+    return (torch.randn(2, 3, cm.D),)
+
+
+def test_models_without_in_place_ops_are_captured_without_stack_traces():
+    model = models.build("llama")
+    cap = capture(model, models.example_inputs(model, 2, 8))
+    traced = {n.target for n in cap.gm.graph.nodes if n.meta.get("stack_trace")}
+    assert traced <= {torch.ops.aten.sym_size.int}  # export's own input-size nodes only
+    assert not torch.fx.config.do_not_emit_stack_traces  # the setting is restored
+
+
+def test_models_with_in_place_ops_keep_stack_traces_for_their_error_messages():
+    cap = capture(cm.SliceAssign(), _x())
+    fills = [n for n in cap.gm.graph.nodes if "fill_" in str(n.target)]
+    assert fills and all("h[..., :2] = 0" in n.meta["stack_trace"] for n in fills)
+
+
+def test_function_apply_is_restored_after_a_refused_capture():
+    original = torch.autograd.Function.__dict__["apply"]
+    with pytest.raises(CaptureError):
+        capture(cm.CustomFunction(), _x())
+    assert torch.autograd.Function.__dict__["apply"] is original
+    x = torch.randn(3, requires_grad=True)
+    cm.StraightThrough.apply(x).sum().backward()  # the Function's own backward still runs
+    assert torch.equal(x.grad, torch.ones(3))
+
+
+def test_functions_applied_by_other_threads_are_not_recorded():
+    x = torch.randn(3)
+    with custom_function_calls() as calls:
+        worker = threading.Thread(target=lambda: cm.StraightThrough.apply(x))
+        worker.start()
+        worker.join()
+        assert calls == []
+        line = inspect.currentframe().f_lineno + 1
+        cm.StraightThrough.apply(x)
+    assert calls == [("StraightThrough", f"{__file__}:{line}")]
