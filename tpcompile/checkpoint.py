@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime import TPModule
-from tpcompile.shards import Piece, placements_by_fqn, shard_pieces
+from tpcompile.shards import Piece, shard_pieces
 
 __all__ = ["ShardedParam", "sharded_state_dict", "sharded_optimizer_state_dict", "save", "load"]
 
@@ -97,13 +97,12 @@ class ShardedParam(torch.Tensor):
 
 def _wrapper(tp: TPModule):
     """name, local tensor -> what DCP should see: a ShardedParam for sharded tensors."""
-    placements = placements_by_fqn(tp.plan)
-    shapes = {n: e.global_shape for e in tp.plan.params.values() for n in e.aliases}
-
     def wrap(name: str, local: torch.Tensor) -> torch.Tensor:
-        placement = placements.get(name)
-        pieces = shard_pieces(tp.plan, placement, tp.rank)
-        return local if pieces is None else ShardedParam(local, shapes[name], placement.dim, pieces)
+        entry = tp.plan.by_fqn.get(name)
+        pieces = None if entry is None else shard_pieces(tp.plan, entry.placement, tp.rank)
+        if pieces is None:
+            return local
+        return ShardedParam(local, entry.global_shape, entry.placement.dim, pieces)
 
     return wrap
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from tpcompile.placement import Block, Layout, Partial, Placement, Replicate, RootSpec, Shard, Specs
 
@@ -115,6 +116,11 @@ class ShardingPlan:
     def output_layouts(self) -> dict[int, Layout]:
         """Flat outputs left sharded on their last dim (``loss_parallel``): index -> layout."""
         return {i: p.layout for i, p in enumerate(self.outputs) if isinstance(p, Shard)}
+
+    @cached_property
+    def by_fqn(self) -> dict[str, ParamPlan]:
+        """Every name of a tensor in the plan (its get_attr target, every tied alias) -> entry."""
+        return {n: e for e in self.params.values() for n in (e.name, *e.aliases)}
 
     @property
     def specs(self) -> Specs:

@@ -63,18 +63,21 @@ class TPModule(nn.Module):
         return super().load_state_dict(state_dict, strict, assign)
 
     def _is_unsharded(self, fqn: str, value) -> bool:
-        for entry in self.plan.params.values():
-            if fqn == entry.name or fqn in entry.aliases:
-                local = entry.local_shapes[self.rank]
-                return (isinstance(entry.placement, Shard) and local != entry.global_shape
-                        and tuple(getattr(value, "shape", ())) == entry.global_shape)
-        return False
+        """``value`` has the global shape of a tensor whose shard here is smaller."""
+        entry = self.plan.by_fqn.get(fqn)
+        return (entry is not None and tuple(getattr(value, "shape", ())) == entry.global_shape
+                != entry.local_shapes[self.rank])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded state dict, gathered from every rank (a collective: call on all)."""
+    def full_state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The unsharded state dict, gathered from every rank (a collective: call on all).
+
+        ``rank=k`` (a rank of the group): only rank k receives it, the others get ``{}``.
+        """
         out = {}
         for name, t in self.state_dict().items():
-            out[name] = gather_full(t, self._placement(name), self.plan, self.group)
+            full = gather_full(t, self._placement(name), self.plan, self.group, dst=rank)
+            if full is not None:
+                out[name] = full
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -83,10 +86,8 @@ class TPModule(nn.Module):
                 for name, p in self.named_parameters() if p.grad is not None}
 
     def _placement(self, fqn: str):
-        for entry in self.plan.params.values():
-            if fqn == entry.name or fqn in entry.aliases:
-                return entry.placement
-        return None
+        entry = self.plan.by_fqn.get(fqn)
+        return None if entry is None else entry.placement
 
 
 def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group,

@@ -92,7 +92,7 @@ def owned_ranges(per_rank: tuple[Ranges, ...]) -> tuple[Ranges, ...]:
 
 def placements_by_fqn(plan: ShardingPlan) -> dict[str, object]:
     """Every FQN (tied aliases included) -> its placement in the plan."""
-    return {alias: entry.placement for entry in plan.params.values() for alias in entry.aliases}
+    return {name: entry.placement for name, entry in plan.by_fqn.items()}
 
 
 def shard_pieces(plan: ShardingPlan, placement, rank: int) -> tuple[Piece, ...] | None:

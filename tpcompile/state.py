@@ -22,8 +22,8 @@ import torch
 
 from tpcompile.errors import TPCompileError
 from tpcompile.meta import has_meta, to_empty
-from tpcompile.runtime import TPModule, gather_full
-from tpcompile.shards import placements_by_fqn, shard_pieces
+from tpcompile.runtime import TPModule
+from tpcompile.shards import shard_pieces
 
 __all__ = ["gather_state_dict", "load_full_state_dict", "IncompatibleKeys"]
 
@@ -39,13 +39,7 @@ def gather_state_dict(tp: TPModule, rank: int | None = None) -> dict[str, torch.
     ``rank=None``: every rank receives it. ``rank=k`` (a rank of ``tp.group``): only rank k does
     (the others return ``{}``), so the other ranks never hold the full model.
     """
-    placements = placements_by_fqn(tp.plan)
-    out = {}
-    for name, local in tp.state_dict().items():
-        full = gather_full(local, placements.get(name), tp.plan, tp.group, dst=rank)
-        if full is not None:
-            out[name] = full
-    return out
+    return tp.full_state_dict(rank)
 
 
 class _DictSource:
@@ -128,10 +122,7 @@ def load_full_state_dict(tp: TPModule, source, strict: bool = True, device="cpu"
     src = _source(source)
     if has_meta(tp):
         to_empty(tp, device, buffers)
-    placements = placements_by_fqn(tp.plan)
     targets = tp.state_dict(keep_vars=True)
-    aliases = {n: entry.aliases for entry in tp.plan.params.values() for n in entry.aliases}
-    shapes = {n: entry.global_shape for entry in tp.plan.params.values() for n in entry.aliases}
     present = set(src.keys())
     done: dict[int, str] = {}
     missing = []
@@ -139,15 +130,17 @@ def load_full_state_dict(tp: TPModule, source, strict: bool = True, device="cpu"
         for name, local in targets.items():
             if id(local) in done:
                 continue
-            found = next((a for a in aliases.get(name, (name,)) if a in present), None)
+            entry = tp.plan.by_fqn.get(name)
+            names, shape = (entry.aliases, entry.global_shape) if entry else ((name,), local.shape)
+            found = next((a for a in names if a in present), None)
             if found is None:
                 missing.append(name)
                 continue
-            if tuple(src.shape(found)) != tuple(shapes.get(name, local.shape)):
+            if tuple(src.shape(found)) != tuple(shape):
                 raise TPCompileError(
                     f"size mismatch for {name}: the source has {tuple(src.shape(found))} under "
-                    f"{found!r}, the model {tuple(shapes.get(name, local.shape))}")
-            _copy_slices(src, found, local, placements.get(name), tp)
+                    f"{found!r}, the model {tuple(shape)}")
+            _copy_slices(src, found, local, entry.placement if entry else None, tp)
             done[id(local)] = found
     unexpected = sorted(present - set(targets) - set(done.values()))
     if strict and (missing or unexpected):
