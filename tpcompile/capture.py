@@ -140,12 +140,17 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
                for n in gm.graph.nodes if n.op == "call_function")
 
 
+def _named_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """forward's parameter names -> the example values bound to them (what export keys on)."""
+    return inspect.signature(model.forward).bind(*args, **kwargs).arguments
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: tuple[int, ...],
             stack_traces: bool):
     shapes = None
     if dynamic:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        shapes = {name: _auto(value, static) for name, value in bound.arguments.items()}
+        shapes = {name: _auto(value, static)
+                  for name, value in _named_inputs(model, args, kwargs).items()}
     with warnings.catch_warnings(), _stack_traces(stack_traces):
         warnings.simplefilter("ignore")
         return torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
@@ -232,8 +237,8 @@ def _specialised_sizes(model: nn.Module, args: tuple, kwargs: dict, static: tupl
     """Batch and sequence dims of size 0 or 1 in the example: export fixes them to that size
     (it specialises 0 and 1), so a later call with batch 2 would be refused."""
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    except TypeError:
+        bound = _named_inputs(model, args, kwargs)
+    except TypeError:  # export names the mismatch itself
         return []
     out = []
     for name, value in bound.items():

@@ -263,14 +263,17 @@ def hf_model(name: str):
     return tf.BertModel(cfg) if name == "bert_model" else tf.BertForMaskedLM(cfg)
 
 
-def _hf_case(name: str, with_labels: bool) -> dict:
-
-    model = hf_model(name).eval()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+def hf_inputs(model) -> tuple[torch.Tensor, dict]:
+    """Token ids (2 x 16) and an attention mask that pads the second sequence."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 16, dtype=torch.long)
-    mask[1, 12:] = 0  # padding in the second sequence
-    kw = {"attention_mask": mask}
+    mask[1, 12:] = 0
+    return ids, {"attention_mask": mask}
+
+
+def _hf_case(name: str, with_labels: bool) -> dict:
+    model = hf_model(name).eval()
+    ids, kw = hf_inputs(model)
     if not with_labels:
         tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw)
         cmp = compare(model, tp, (ids,), kwargs=kw)

@@ -18,7 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 import tpcompile
 from tpcompile import models
@@ -41,8 +40,7 @@ def _hf(name, labels=False):
     def build():
         pytest.importorskip("transformers")
         model = workers.hf_model(name).eval()
-        ids = torch.randint(0, model.config.vocab_size, (2, 16))
-        kwargs = {"attention_mask": torch.ones(2, 16, dtype=torch.long)}
+        ids, kwargs = workers.hf_inputs(model)
         if labels:
             kwargs["labels"] = ids
         return model, (ids,), kwargs
