@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tpcompile import models
+from tpcompile.tools import models
 
 __all__ = ["prepare", "plan_for", "parallelize_dtensor"]
 

@@ -4,9 +4,9 @@
     python bench/communication.py --world-sizes 2 4 8
 
 No process group: each model is captured, planned and rewritten for rank 0
-(:func:`tpcompile.rewrite_trace.trace_rewrite`), and the collectives are read from the rewritten
-graph itself (:func:`tpcompile.traffic.list_collectives`), forward and backward, each with the
-size of the whole tensor it reduces or assembles. Megatron's bound (:mod:`tpcompile.traffic`) is
+(:func:`tpcompile.inspect.trace.trace_rewrite`), and the collectives are read from the rewritten
+graph itself (:func:`tpcompile.inspect.traffic.list_collectives`), forward and backward, each with the
+size of the whole tensor it reduces or assembles. Megatron's bound (:mod:`tpcompile.inspect.traffic`) is
 one forward all-reduce per row-parallel output and one backward all-reduce per replicated
 activation entering a column-parallel chain. *Excess* is everything above it; each excess
 collective is listed with the value it converts, so a non-zero entry says what to look at.
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from tpcompile import models
-from tpcompile.rewrite_trace import trace_rewrite
-from tpcompile.traffic import list_collectives, megatron_comparison
+from tpcompile.tools import models
+from tpcompile.inspect.trace import trace_rewrite
+from tpcompile.inspect.traffic import list_collectives, megatron_comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, SEQ = 2, 16

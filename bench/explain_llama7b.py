@@ -19,7 +19,7 @@ import time
 import torch
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

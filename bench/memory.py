@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import tpcompile
-from tpcompile import models
-from tpcompile.check import saved_activation_bytes
-from tpcompile.launch import run_on_ranks
+from tpcompile.tools import models
+from tpcompile.tools.numerics import saved_activation_bytes
+from tpcompile.tools.launch import run_on_ranks
 
 MODELS = ("mlp", "gpt2", "llama")
 # larger than the test fixtures so that activations, not constants, dominate

@@ -52,7 +52,7 @@ GOAL_RSS_MB = 2048
 
 
 def _meta_llama(shape: str, layers: int, seq: int):
-    from tpcompile import models
+    from tpcompile.tools import models
 
     cfg = models.ModelConfig(vocab=32000, n_layers=layers, max_seq=seq, bias=False,
                              **SHAPES[shape])
@@ -65,27 +65,21 @@ def _meta_llama(shape: str, layers: int, seq: int):
 
 def measure_point(shape: str, layers: int, world_size: int, seq: int, dynamic: bool = True) -> dict:
     """One point, in this process: build on meta, capture, plan, rewrite rank 0."""
-    from tpcompile.api import rewrite_passes
-    from tpcompile.capture import capture
-    from tpcompile.passes.bias import split_bias_pass
-    from tpcompile.passes.plan_sharding import plan_sharding
-    from tpcompile.pipeline import run_passes
-    from tpcompile.plan import PlanOptions
+    from tpcompile.passes import pipeline
 
     model, tokens = _meta_llama(shape, layers, seq)
+    planned = pipeline.plan(model, (tokens,), world_size, dynamic=dynamic)
     t0 = time.perf_counter()
-    cap = capture(model, (tokens,), dynamic=dynamic)
-    t1 = time.perf_counter()
-    split_bias_pass(cap.gm)
-    plan = plan_sharding(cap, world_size, PlanOptions())
-    t2 = time.perf_counter()
-    nodes = len(cap.gm.graph.nodes)
-    run_passes(cap.gm, rewrite_passes(plan, 0, "tp"))
-    t3 = time.perf_counter()
+    pipeline.rewrite(planned, 0, "tp")
+    rewrite_s = time.perf_counter() - t0
+    capture_s = planned.seconds["capture"]
+    plan_s = planned.seconds["planning_passes"] + planned.seconds["plan_sharding"]
+    nodes = len(planned.cap.gm.graph.nodes)
     return {"shape": shape, "layers": layers, "world_size": world_size, "seq": seq,
             "capture": "dynamic" if dynamic else "static", "nodes": nodes,
             "params": sum(p.numel() for p in model.parameters()),
-            "capture_s": t1 - t0, "plan_s": t2 - t1, "rewrite_s": t3 - t2, "total_s": t3 - t0,
+            "capture_s": capture_s, "plan_s": plan_s, "rewrite_s": rewrite_s,
+            "total_s": capture_s + plan_s + rewrite_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -98,7 +92,7 @@ EXPORT_MODES = {  # --breakdown: label -> (dynamic dims, FX stack traces)
 
 def measure_export(shape: str, layers: int, seq: int, mode: str) -> dict:
     """torch.export alone, as tpcompile calls it, in one of ``EXPORT_MODES``."""
-    from tpcompile.capture import _export  # the call capture() makes, to time it alone
+    from tpcompile.core.capture import _export  # the call capture() makes, to time it alone
 
     model, tokens = _meta_llama(shape, layers, seq)
     dynamic, stack_traces = EXPORT_MODES[mode]

@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 import tpcompile  # noqa: E402
-from tpcompile import models  # noqa: E402
-from tpcompile.check import rel_err  # noqa: E402
-from tpcompile.inductor import collective_kind  # noqa: E402
+from tpcompile.tools import models  # noqa: E402
+from tpcompile.tools.numerics import rel_err  # noqa: E402
+from tpcompile.compile.inductor import collective_kind  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 UNSHARDED = "unsharded"
@@ -305,7 +305,7 @@ def main(argv=None) -> None:
             _report(cfg, per_rank, (load, os.getloadavg()))
         dist.destroy_process_group()
         return
-    from tpcompile.launch import run_on_ranks
+    from tpcompile.tools.launch import run_on_ranks
 
     per_rank = run_on_ranks(f"{Path(__file__).resolve()}:rank_main", cfg.world_size, asdict(cfg),
                             timeout=3600)

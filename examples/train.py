@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpcompile
-from tpcompile import checkpoint, models
+from tpcompile.state import checkpoint
+from tpcompile.tools import models
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)

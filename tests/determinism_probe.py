@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import random_models  # noqa: E402
 from support import rewrite_ranks  # noqa: E402
-from tpcompile import models  # noqa: E402
-from tpcompile.agreement import digest  # noqa: E402
+from tpcompile.tools import models  # noqa: E402
+from tpcompile.runtime.agreement import digest  # noqa: E402
 
 
 def cases():

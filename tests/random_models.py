@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcompile.models import RMSNorm
+from tpcompile.tools.models import RMSNorm
 
 ACTS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
 INPLACE_ACTS = {"relu": lambda x: x.relu_(), "silu": lambda x: F.silu(x, inplace=True),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from tpcompile.launch import run_on_ranks
+from tpcompile.tools.launch import run_on_ranks
 
 WORKERS_PATH = str(Path(__file__).parent / "gloo" / "workers.py")
 _spec = importlib.util.spec_from_file_location("tpcompile_test_workers", WORKERS_PATH)
@@ -34,23 +34,18 @@ def rewrite_ranks(model, example_inputs, world_size: int, **options):
     """Plan once, rewrite every rank's copy of the graph: (plan, fingerprint entries, graphs).
 
     What ``parallelize`` does on each rank, without a process group; the entries are what the
-    ranks compare (see tpcompile.agreement), one list per rank.
+    ranks compare (see tpcompile.runtime.agreement), one list per rank.
     """
-    import copy
-    import warnings
+    from tpcompile.core.plan import PlanOptions
+    from tpcompile.passes import pipeline
+    from tpcompile.runtime.agreement import collective_entries, plan_entries
 
-    from tpcompile.agreement import collective_entries, plan_entries
-    from tpcompile.api import plan_model, rewrite_passes
-    from tpcompile.pipeline import run_passes
-
-    cap, plan = plan_model(model, example_inputs, world_size, **options)
-    shared = plan_entries(cap, plan)
+    planned = pipeline.plan(model, example_inputs, world_size, options=PlanOptions(**options))
+    plan = planned.plan
+    shared = plan_entries(planned.cap, plan)
     entries, graphs = [], []
     for rank in range(world_size):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's own deprecation notes on deepcopy
-            gm = copy.deepcopy(cap.gm)
-        gm, _ = run_passes(gm, rewrite_passes(plan, rank, "tp"))
+        gm, _ = pipeline.rewrite(planned, rank, "tp")
         entries.append(shared + collective_entries(gm))
         graphs.append(gm)
     return plan, entries, graphs

@@ -11,28 +11,17 @@ Example (under ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 
-from tpcompile.agreement import agree, collective_entries, plan_entries, value_entries
-from tpcompile.capture import capture
-from tpcompile.errors import MeshError, TPCompileError
-from tpcompile.liveness import warn_if_unbounded
-from tpcompile.pipeline import Pass, run_passes
-from tpcompile.plan import PlanOptions, ShardingPlan
-from tpcompile.passes.bias import fuse_bias_pass, split_bias_pass
-from tpcompile.passes.insert_collectives import insert_collectives_pass
-from tpcompile.passes.localize import localize_pass
-from tpcompile.passes.materialize import materialize_params_pass
-from tpcompile.passes.mutations import clone_converted_writes_pass
-from tpcompile.passes.plan_sharding import plan_sharding
-from tpcompile.passes.sequence_linears import fuse_sequence_linears_pass
-from tpcompile.runtime import TPModule
+from tpcompile.core.plan import PlanOptions, ShardingPlan
+from tpcompile.errors import MeshError
+from tpcompile.passes import pipeline
+from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
+from tpcompile.runtime.module import TPModule
+from tpcompile.runtime.timeouts import warn_if_unbounded
 
-__all__ = ["parallelize", "plan_model", "rewrite", "rewrite_passes", "resolve_group"]
+__all__ = ["parallelize", "plan_model", "rewrite", "resolve_group"]
 
 
 def resolve_group(mesh=None):
@@ -57,31 +46,18 @@ def resolve_group(mesh=None):
 
 
 def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
-               dynamic: bool = True, **options):
+               dynamic: bool = True, **options) -> tuple:
     """Capture ``model`` and plan it for ``world_size`` ranks; no process group needed.
 
-    ``options``: ``vocab_parallel``, ``loss_parallel`` (see :class:`PlanOptions`).
-    ``dynamic=False`` captures at the example's sizes only: the same plan, 2.5x faster on a
-    large model, for planning that never runs the graph at other sizes.
+    Returns ``(cap, plan)``: the planned capture (``cap.gm`` is the graph the plan names) and
+    the :class:`ShardingPlan`. ``options``: ``vocab_parallel``, ``loss_parallel``,
+    ``sequence_parallel`` (see :class:`PlanOptions`). ``dynamic=False`` captures at the
+    example's sizes only: the same plan, 2.5x faster on a large model, for planning that
+    never runs the graph at other sizes.
     """
-    opts = PlanOptions(**options)
-    cap = capture(model, example_inputs, example_kwargs, dynamic=dynamic,
-                  static_dims=opts.static_dims)
-    split_bias_pass(cap.gm)
-    return cap, plan_sharding(cap, world_size, opts)
-
-
-def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]:
-    """The transform pipeline for one rank, each pass named so it can be diffed on its own."""
-    return [
-        ("localize", functools.partial(localize_pass, plan=plan, rank=rank, group=group_name)),
-        ("insert_collectives", functools.partial(
-            insert_collectives_pass, plan=plan, rank=rank, group=group_name)),
-        ("clone_converted_writes", functools.partial(clone_converted_writes_pass, plan=plan)),
-        ("materialize_params", functools.partial(materialize_params_pass, plan=plan, rank=rank)),
-        ("fuse_bias", fuse_bias_pass),
-        ("fuse_sequence_linears", fuse_sequence_linears_pass),
-    ]
+    planned = pipeline.plan(model, example_inputs, world_size, example_kwargs,
+                            options=PlanOptions(**options), dynamic=dynamic)
+    return planned.cap, planned.plan
 
 
 def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
@@ -90,9 +66,10 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
 
     Returns ``(gm, plan, records)``; the graph's collectives name ``group_name``.
     """
-    cap, plan = plan_model(model, example_inputs, world_size, example_kwargs, **options)
-    gm, records = run_passes(cap.gm, rewrite_passes(plan, rank, group_name), record=record)
-    return gm, plan, records
+    planned = pipeline.plan(model, example_inputs, world_size, example_kwargs,
+                            options=PlanOptions(**options))
+    gm, records = pipeline.rewrite(planned, rank, group_name, record=record)
+    return gm, planned.plan, records
 
 
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
@@ -122,15 +99,11 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     """
     group, rank, world_size = resolve_group(mesh)
     warn_if_unbounded(group)
-
-    def build():
-        cap, plan = plan_model(model, example_inputs, world_size, example_kwargs,
-                               vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
-                               sequence_parallel=sequence_parallel)
-        entries = plan_entries(cap, plan)  # before the rewrite edits the captured graph
-        gm, _ = run_passes(cap.gm, rewrite_passes(plan, rank, group.group_name))
-        return (gm, plan), entries + collective_entries(gm)
-
-    # before the model's first collective; raises on every rank
-    gm, plan = agree(group, build, values=value_entries(model))
-    return TPModule(gm, plan, rank, group)
+    options = PlanOptions(vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
+                          sequence_parallel=sequence_parallel)
+    # ranks agree on what they planned before the model's first collective; raises on every rank
+    with agreement(group, values=value_entries(model)) as entries:
+        planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options)
+        gm, _ = pipeline.rewrite(planned, rank, group.group_name)
+        entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
+    return TPModule(gm, planned.plan, rank, group)

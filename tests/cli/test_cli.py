@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from tpcompile.cli import main
-from tpcompile.report import Report
+from tpcompile.tools.cli import main
+from tpcompile.inspect.explain import Report
 
 FACTORIES = textwrap.dedent("""
     import torch
@@ -45,7 +45,7 @@ def factories(tmp_path):
 
 
 def run(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tpcompile.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tpcompile.tools.cli", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=300)
 
 

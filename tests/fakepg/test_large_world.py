@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tpcompile
-from tpcompile import models
-from tpcompile.collectives import count_collectives
+from tpcompile.tools import models
+from tpcompile.runtime.collectives import count_collectives
 
 BIG = dict(dim=256, n_heads=32, n_kv_heads=8, hidden=688, n_layers=2, vocab=256)
 

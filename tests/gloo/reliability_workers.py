@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the model zoos bel
 import catalogue_models  # noqa: E402
 import random_models  # noqa: E402
 import tpcompile  # noqa: E402
-from tpcompile import models  # noqa: E402
-from tpcompile.check import compare, rel_err  # noqa: E402
+from tpcompile.tools import models  # noqa: E402
+from tpcompile.tools.numerics import compare, rel_err  # noqa: E402
 
 
 def numerics(model, tp, x) -> dict:
@@ -177,10 +177,10 @@ def _one_rank_fails(rank):
 def _other_collectives(rank):
     """Same plan, but rank 1's rewrite turns its all-reduces into no-ops: only the rewritten
     graphs' collective sequences differ."""
-    import tpcompile.api as api
-    from tpcompile import collectives
+    from tpcompile.passes import pipeline
+    from tpcompile.runtime import collectives
 
-    original = api.rewrite_passes
+    original = pipeline.rewrite_passes
 
     def tampered(plan, r, group):
         def drop_all_reduces(gm):
@@ -190,12 +190,12 @@ def _other_collectives(rank):
             return gm
         return original(plan, r, group) + [("tamper", drop_all_reduces)] * (rank == 1)
 
-    api.rewrite_passes = tampered
+    pipeline.rewrite_passes = tampered
     try:
         model = models.build("mlp")
         tpcompile.parallelize(model, models.example_inputs(model))
     finally:
-        api.rewrite_passes = original
+        pipeline.rewrite_passes = original
 
 
 def _timed(fn) -> dict:

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpcompile
-from tpcompile import checkpoint, models
-from tpcompile.check import compare, rel_err
+from tpcompile.state import checkpoint
+from tpcompile.tools import models
+from tpcompile.tools.numerics import compare, rel_err
 
 
 class FusedGQA(nn.Module):
@@ -145,7 +146,7 @@ def _save_ws2(tmp: str, group2, tps: dict) -> dict:
         model = build(name, seed=1)
         tp = tpcompile.parallelize(model, inputs_for(model), mesh=group2)
         checkpoint.save(tp, os.path.join(tmp, f"{name}_ws2"))
-        out[name] = {"gathered_vs_model": unequal(tpcompile.gather_state_dict(tp), model.state_dict())}
+        out[name] = {"gathered_vs_model": unequal(tp.full_state_dict(), model.state_dict())}
         tps[name] = tp
     return out
 
@@ -158,8 +159,8 @@ def _reshard_2_to_4(tmp: str, refs: dict) -> dict:
         tp = tpcompile.parallelize(model, inputs_for(model))
         checkpoint.load(tp, os.path.join(tmp, f"{name}_ws2"))
         want = build(name, seed=1).state_dict()
-        r = {"loaded_2_to_4": unequal(tpcompile.gather_state_dict(tp), want)}
-        on_rank0 = tpcompile.gather_state_dict(tp, rank=0)
+        r = {"loaded_2_to_4": unequal(tp.full_state_dict(), want)}
+        on_rank0 = tp.full_state_dict(rank=0)
         r["gather_to_rank0"] = unequal(on_rank0, want) if dist.get_rank() == 0 else sorted(on_rank0)
         plain = build(name, seed=3)
         dcp.load(plain.state_dict(), checkpoint_id=os.path.join(tmp, f"{name}_ws2"))
@@ -167,7 +168,7 @@ def _reshard_2_to_4(tmp: str, refs: dict) -> dict:
         # new values (one SGD step), saved at 4 ranks for the trip back
         tp(*inputs_for(model, seed=1)).float().pow(2).mean().backward()
         torch.optim.SGD(tp.parameters(), lr=0.5).step()
-        refs[name] = tpcompile.gather_state_dict(tp)
+        refs[name] = tp.full_state_dict()
         r["changed_by_step"] = len(unequal(refs[name], want)) > 0
         checkpoint.save(tp, os.path.join(tmp, f"{name}_ws4"))
         out[name] = r
@@ -181,7 +182,7 @@ def _reshard_4_to_2(tmp: str, tps: dict, refs: dict) -> dict:
             for p in tp.state_dict().values():
                 p.fill_(7.0)
         checkpoint.load(tp, os.path.join(tmp, f"{name}_ws4"))
-        out[name] = {"loaded_4_to_2": unequal(tpcompile.gather_state_dict(tp), refs[name])}
+        out[name] = {"loaded_4_to_2": unequal(tp.full_state_dict(), refs[name])}
     return out
 
 
@@ -193,7 +194,7 @@ def _plain_checkpoint_into_tp(tmp: str) -> dict:
     dcp.save(model.state_dict(), checkpoint_id=path)
     tp = tpcompile.parallelize(build("llama", seed=5), inputs_for(model))
     checkpoint.load(tp, path)
-    out = {"plain_into_tp": unequal(tpcompile.gather_state_dict(tp), model.state_dict())}
+    out = {"plain_into_tp": unequal(tp.full_state_dict(), model.state_dict())}
     if dist.get_rank() == 0:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -289,7 +290,7 @@ def _resume_2_to_4(tmp: str) -> dict:
         opt = _optimizer(tp, RESUME_LR)
         checkpoint.load(tp, os.path.join(tmp, "resume"), optimizer=opt if with_state else None)
         got = _train(tp, _tp_clip, batches[3:], opt=opt)
-        full = tpcompile.gather_state_dict(tp)
+        full = tp.full_state_dict()
         key = "" if with_state else "_fresh_optimizer"
         out["losses" + key] = got["losses"]
         out["param_err" + key] = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
@@ -357,7 +358,7 @@ def _meta_build(tmp: str) -> dict:
     torch.manual_seed(3)
     tpcompile.init_shards(tp, meta, buffers=buffers)
     out["init"] = compare(eager, tp, x).__dict__
-    out["init_equals_eager_seed"] = unequal(tpcompile.gather_state_dict(tp), eager.state_dict())
+    out["init_equals_eager_seed"] = unequal(tp.full_state_dict(), eager.state_dict())
     return out
 
 

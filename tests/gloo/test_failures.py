@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tpcompile.launch import run_on_ranks
+from tpcompile.tools.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist
 

@@ -17,7 +17,7 @@ import pytest
 
 import catalogue_models
 import random_models
-from tpcompile.launch import run_on_ranks
+from tpcompile.tools.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist
 

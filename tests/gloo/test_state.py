@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tpcompile import models
-from tpcompile.launch import run_on_ranks
+from tpcompile.tools import models
+from tpcompile.tools.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -55,7 +55,7 @@ def two(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def test_gather_state_dict_is_the_models_state_dict(four):
+def test_full_state_dict_is_the_models_state_dict(four):
     for r in four[:2]:
         for name, c in _ok(r["save_ws2"]).items():
             assert c["gathered_vs_model"] == [], name

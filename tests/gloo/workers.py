@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import tpcompile
-from tpcompile import models
-from tpcompile.check import compare, rel_err, saved_activation_bytes
+from tpcompile.tools import models
+from tpcompile.tools.numerics import compare, rel_err, saved_activation_bytes
 
 class SincAttention(nn.Module):
     """Explicit attention with an op tpcompile has no rule for on the head-sharded scores."""
@@ -457,7 +457,7 @@ class BackendView:
 
 
 def _phases(codes: list[str]) -> dict:
-    from tpcompile.inductor import collectives_in_code
+    from tpcompile.compile.inductor import collectives_in_code
 
     fw = [c for c in codes if "tangents_" not in c]
     bw = [c for c in codes if "tangents_" in c]
@@ -571,7 +571,7 @@ def _compiled_by_backend(name: str, backend) -> dict:
 
 
 def backend_report(backend):
-    from tpcompile.dynamo_backend import tpcompile_backend
+    from tpcompile.compile.backend import tpcompile_backend
 
     return (tpcompile_backend if backend == "tpcompile" else backend).report
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from support import rewrite_ranks
-from tpcompile import models
-from tpcompile.agreement import digest, first_difference, mismatch_message, value_entries
+from tpcompile.tools import models
+from tpcompile.runtime.agreement import digest, first_difference, mismatch_message, value_entries
 
 
 def test_uneven_shards_give_every_rank_the_same_fingerprint():

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from tpcompile import CaptureError, models
-from tpcompile.capture import capture
+from tpcompile import CaptureError
+
+from tpcompile.tools import models
+from tpcompile.core.capture import capture
 
 
 class DataDependentIf(nn.Module):

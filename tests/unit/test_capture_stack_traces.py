@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import catalogue_models as cm
-from tpcompile import CaptureError, models
-from tpcompile.capture import capture
-from tpcompile.capture_checks import custom_function_calls
+from tpcompile import CaptureError
+from tpcompile.tools import models
+from tpcompile.core.capture import capture
+from tpcompile.core.capture_checks import custom_function_calls
 
 
 def _x():

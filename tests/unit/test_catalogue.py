@@ -13,13 +13,14 @@ import torch
 
 import catalogue_models as cm
 import tpcompile
-from tpcompile import CaptureError, InputError, PlanError, models
+from tpcompile import CaptureError, InputError, PlanError
+from tpcompile.tools import models
 from tpcompile.api import plan_model, rewrite
-from tpcompile.passes.mutations import check_mutations, write_conflicts
-from tpcompile.placement import Layout, Replicate, Shard
-from tpcompile.plan import Conversion
-from tpcompile.runtime import TPModule
-from tpcompile.vocab import check_ids, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
+from tpcompile.core.placement import Layout, Replicate, Shard
+from tpcompile.core.plan import Conversion
+from tpcompile.runtime.module import TPModule
+from tpcompile.runtime.vocab import check_ids, vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 
 def _x():

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import pytest
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 
 VOID = {"meta", "br", "hr", "img", "input", "link", "wbr", "col"}
 
@@ -34,7 +34,7 @@ def test_unified_diff_shows_shards_constants_and_collectives(llama_diff):
     inserted = {c.inserted_as for c in llama_diff.collectives}
     assert inserted == {"all_reduce", "all_reduce_1", "copy_to_region", "copy_to_region_1"}
     for name in inserted:
-        assert any(line.strip().startswith(f"{name} = tpcompile_collectives_") for line in added)
+        assert any(line.strip().startswith(f"{name} = tpcompile_runtime_collectives_") for line in added)
     assert "# inserted collectives: copy_to_region after mul_1 (backward all_reduce)" in text
     assert "= None" not in text  # the frees are noise
 
@@ -50,8 +50,8 @@ def test_each_pass_can_be_diffed_on_its_own(llama_diff):
     localize = changed(by_pass["localize"], "+")
     assert localize and all(" = torch.ops.aten." in line and ("view" in line or "expand" in line
                             or "reshape" in line) for line in localize)
-    assert not any("tpcompile_collectives" in line for line in localize)
-    assert sum("tpcompile_collectives" in line for line in changed(by_pass["insert_collectives"], "+")) == 4
+    assert not any("tpcompile_runtime_collectives" in line for line in localize)
+    assert sum("tpcompile_runtime_collectives" in line for line in changed(by_pass["insert_collectives"], "+")) == 4
     materialize = changed(by_pass["materialize_params"], "+")
     assert len(materialize) == 7 and all("shard of" in line for line in materialize)
 

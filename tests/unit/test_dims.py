@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sympy
 
-from tpcompile.passes.dims import merge_layout, split_layout, sub_layout, view_groups
-from tpcompile.placement import Layout
+from tpcompile.passes.planner.dims import merge_layout, split_layout, sub_layout, view_groups
+from tpcompile.core.placement import Layout
 
 s0, s1 = sympy.symbols("s0 s1", positive=True, integer=True)
 

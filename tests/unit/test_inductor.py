@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpcompile import models
+from tpcompile.tools import models
 from tpcompile.api import rewrite
-from tpcompile.inductor import OVERLAP_DEFAULT, collectives_in_code, compile_options, dynamic_dims
+from tpcompile.compile.inductor import OVERLAP_DEFAULT, collectives_in_code, compile_options, dynamic_dims
 
 
 def test_compile_options_turn_the_reorder_passes_on_and_off():
@@ -54,7 +54,7 @@ def test_backend_name_resolves_without_import_and_compiles_unchanged_without_pro
         expected = model(x)
         out = torch.compile(model, backend="tpcompile")(x)
         assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6), (out - expected).abs().max()
-        from tpcompile.dynamo_backend import tpcompile_backend
+        from tpcompile.compile.backend import tpcompile_backend
         print(tpcompile_backend.explain())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

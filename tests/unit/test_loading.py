@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 from tpcompile.api import rewrite
-from tpcompile.checkpoint import ShardedParam, sharded_state_dict
-from tpcompile.passes.device import baked_devices
-from tpcompile.passes.materialize import take_shard
-from tpcompile.runtime import TPModule
-from tpcompile.shards import placements_by_fqn
+from tpcompile.state.checkpoint import ShardedParam, sharded_state_dict
+from tpcompile.passes.rewrite.device import baked_devices
+from tpcompile.passes.rewrite.materialize import take_shard
+from tpcompile.runtime.module import TPModule
+from tpcompile.core.shards import placements_by_fqn
 
 CFG = {"sdpa": False}  # explicit attention: torch.full(..., device=x.device) in the graph
 
@@ -163,7 +163,7 @@ def test_sharded_param_describes_chunks_and_refuses_math(eager, buffers):
 
 
 def test_checkpoint_refuses_a_model_whose_names_collide_with_the_optimizer(tmp_path):
-    from tpcompile import checkpoint
+    from tpcompile.state import checkpoint
 
     class Net(torch.nn.Module):
         def __init__(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpcompile.placement import Demand, Layout, Misaligned, RootSpec, Specs, positions
+from tpcompile.core.placement import Demand, Layout, Misaligned, RootSpec, Specs, positions
 
 
 def specs(size, ws, *demands, name="w"):

@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from tpcompile import ShardingPlan, models
+from tpcompile import ShardingPlan
+
+from tpcompile.tools import models
 from tpcompile.api import plan_model
-from tpcompile.placement import Replicate, Shard
+from tpcompile.core.placement import Replicate, Shard
 
 from support import workers
 

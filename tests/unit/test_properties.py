@@ -20,10 +20,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import random_models
 from support import rewrite_ranks
 from tpcompile import TPCompileError
-from tpcompile.agreement import digest
-from tpcompile.check import rel_err
-from tpcompile.plan import ShardingPlan
-from tpcompile.runtime import TPModule
+from tpcompile.runtime.agreement import digest
+from tpcompile.tools.numerics import rel_err
+from tpcompile.core.plan import ShardingPlan
+from tpcompile.runtime.module import TPModule
 
 
 def check_planning(spec: dict, world_size: int) -> None:

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 from tpcompile.api import plan_model, rewrite
-from tpcompile.passes.materialize import materialize_params_pass
-from tpcompile.collectives import COLLECTIVE_FNS, count_collectives
-from tpcompile.report import SCHEMA, Report
+from tpcompile.passes.rewrite.materialize import materialize_params_pass
+from tpcompile.runtime.collectives import COLLECTIVE_FNS, count_collectives
+from tpcompile.inspect.explain import SCHEMA, Report
 
 from support import workers
 

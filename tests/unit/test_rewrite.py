@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcompile import models
-from tpcompile import collectives as C
+from tpcompile.tools import models
+from tpcompile.runtime import collectives as C
 from tpcompile.api import rewrite
 
 

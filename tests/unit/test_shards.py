@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpcompile.placement import Demand, Layout, RootSpec, Specs
-from tpcompile.shards import Piece, owned_ranges, pieces
+from tpcompile.core.placement import Demand, Layout, RootSpec, Specs
+from tpcompile.core.shards import Piece, owned_ranges, pieces
 
 # fused qkv with 8 query heads and 2 KV heads (head_dim 8) at 4 ranks: q sharded, k/v replicated
 FUSED_GQA_WS4 = (((0, 16), (64, 96)), ((16, 32), (64, 96)), ((32, 48), (64, 96)), ((48, 96),))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 
 
 @pytest.mark.parametrize("name, world_size", [("llama", 4), ("gpt2", 2), ("mlp", 4)])

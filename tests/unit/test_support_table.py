@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import tpcompile
-from tpcompile import models
+from tpcompile.tools import models
 
 from support import workers
 

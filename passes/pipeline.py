@@ -1,0 +1,187 @@
+"""The pipeline, declared once: capture -> planning passes -> planner -> rewrite passes.
+
+``parallelize``, ``explain`` / ``diff``, the benchmarks and the tests all run these two lists
+through :func:`plan` and :func:`rewrite`, so what is inspected is what runs:
+
+- :data:`PLANNING_PASSES` edit the freshly captured graph into the form the planner reads
+  (nobody else holds that graph yet); :func:`plan` then freezes a :class:`ShardingPlan`.
+- :data:`REWRITE_PASSES` turn that graph into one rank's graph. :func:`rewrite` works on a
+  copy (sharing the weights), so the planned graph stays as the plan describes it: every rank
+  of a fake-PG test, and ``explain`` after ``diff``, can rewrite it again.
+
+The runner lints after each pass and turns any failure into a :class:`TPCompileError` naming
+the pass, the passes before it and the cause. It regenerates Python code once, after the last
+pass (or after each when recording needs the code): code generation is most of a rewrite's
+time on a large graph (0.1 s per recompile at 2,000 nodes), and no pass reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from torch import fx, nn
+
+from tpcompile.core.capture import Capture, capture
+from tpcompile.core.plan import PlanOptions, ShardingPlan
+from tpcompile.errors import CaptureError, TPCompileError
+from tpcompile.passes.planner.mutations import clone_converted_writes_pass
+from tpcompile.passes.planner.plan_sharding import plan_sharding
+from tpcompile.passes.rewrite.bias import fuse_bias_pass, split_bias_pass
+from tpcompile.passes.rewrite.insert_collectives import insert_collectives_pass
+from tpcompile.passes.rewrite.localize import localize_pass
+from tpcompile.passes.rewrite.materialize import materialize_params_pass
+from tpcompile.passes.rewrite.sequence_linears import fuse_sequence_linears_pass
+from tpcompile.runtime.module import TPModule
+
+__all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES", "plan",
+           "rewrite", "rewrite_passes", "run_passes"]
+
+Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
+
+# graph -> graph, before the planner: the planner sees matmuls without biases
+PLANNING_PASSES: list[Pass] = [("split_bias", split_bias_pass)]
+# one rank's rewrite, in order: (name, pass, the parts of the rank's context it takes)
+REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [
+    ("localize", localize_pass, ("plan", "rank", "group")),  # per-rank ops, shape constants
+    ("insert_collectives", insert_collectives_pass, ("plan", "rank", "group")),  # conversions
+    ("clone_converted_writes", clone_converted_writes_pass, ("plan",)),  # in-place writes local
+    ("materialize_params", materialize_params_pass, ("plan", "rank")),  # this rank's shards
+    ("fuse_bias", fuse_bias_pass, ()),                       # linear(x, W) + b -> linear(x, W, b)
+    ("fuse_sequence_linears", fuse_sequence_linears_pass, ()),  # one SP gather for its linears
+]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    before: str = field(repr=False, default="")
+    after: str = field(repr=False, default="")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A captured model after the planning passes, and its plan."""
+    cap: Capture                 # cap.gm is the planned graph: the plan's node names are its own
+    plan: ShardingPlan
+    records: tuple[PassRecord, ...] = ()   # the planning passes'
+    seconds: dict[str, float] = field(default_factory=dict)  # capture, planning passes, planner
+
+
+def run_passes(gm: fx.GraphModule, passes: list[Pass],
+               record: bool | Callable[[fx.GraphModule], str] = False):
+    """Run ``passes`` on ``gm``; returns ``(gm, records)`` with the code before/after each.
+
+    ``record``: True keeps ``gm.code``; a callable ``gm -> str`` keeps its own rendering (the
+    diff annotates parameter shapes, which ``gm.code`` does not show).
+    """
+    if callable(record):
+        snapshot = record
+    else:
+        def snapshot(g: fx.GraphModule) -> str:
+            return g.code if record else ""
+    records = []
+    for i, (name, fn) in enumerate(passes):
+        before = snapshot(gm)
+        start = time.perf_counter()
+        try:
+            out = fn(gm)
+            assert isinstance(out, fx.GraphModule), f"pass returned {type(out).__name__}"
+            out.graph.lint()
+            if record or i == len(passes) - 1:
+                out.recompile()
+        except TPCompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - wrapped with the pass context, cause kept
+            done = [n for n, _ in passes[:i]]
+            raise TPCompileError(
+                f"internal error in pass '{name}' (after {done}): {type(e).__name__}: {e}\n"
+                "  hint: this is a tpcompile bug; please report it with `tpcompile explain` "
+                "output for your model") from e
+        gm = out
+        records.append(PassRecord(name, time.perf_counter() - start, before, snapshot(gm)))
+    return gm, records
+
+
+def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
+         options: PlanOptions = PlanOptions(), dynamic: bool = True,
+         record: bool | Callable[[fx.GraphModule], str] = False,
+         progress: Callable[[str], None] = lambda message: None) -> Planned:
+    """Capture ``model``, run :data:`PLANNING_PASSES`, and plan for ``world_size`` ranks.
+
+    ``progress`` receives a line once the graph is captured (planning a large model takes a
+    while after that).
+    """
+    if isinstance(model, TPModule):
+        raise CaptureError(
+            f"the model is already parallelized (a TPModule holding rank {model.rank}'s shards)"
+            "\n  hint: call parallelize on the original model (parallelize leaves it untouched), "
+            "not on its result")
+    t0 = time.perf_counter()
+    cap = capture(model, example_inputs, example_kwargs, dynamic=dynamic,
+                  static_dims=options.static_dims)
+    t1 = time.perf_counter()
+    progress(f"captured {len(cap.gm.graph.nodes)} graph nodes in {t1 - t0:.1f}s; planning for "
+             f"{world_size} ranks")
+    gm, records = run_passes(cap.gm, PLANNING_PASSES, record=record)
+    cap = replace(cap, gm=gm)
+    t2 = time.perf_counter()
+    sharding = plan_sharding(cap, world_size, options)
+    seconds = {"capture": t1 - t0, "planning_passes": t2 - t1,
+               "plan_sharding": time.perf_counter() - t2}
+    return Planned(cap, sharding, tuple(records), seconds)
+
+
+def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]:
+    """:data:`REWRITE_PASSES` bound to one rank, each named so it can be diffed on its own."""
+    context = {"plan": plan, "rank": rank, "group": group_name}
+    return [(name, functools.partial(fn, **{k: context[k] for k in takes}))
+            for name, fn, takes in REWRITE_PASSES]
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its own graph and module tree, sharing ``gm``'s tensors.
+
+    The rewrite edits the graph and replaces weights by shards (in the copy's own parameter
+    dicts); ``gm`` keeps its graph, its weights and its Python class (a GraphModule's code lives
+    on a class of its own, so the copy gets a new one). Tensors are shared, not copied: a copy
+    of a 70B model's weights is what this avoids.
+    """
+    copied = fx.GraphModule.__new__(type(gm))
+    copied.__dict__.update(gm.__dict__)
+    _own_containers(copied)
+    copied.meta = dict(gm.meta)
+    with warnings.catch_warnings():  # torch's own deprecation note on copying pytree specs
+        warnings.simplefilter("ignore", FutureWarning)
+        copied.graph = copy.deepcopy(gm.graph)  # nodes' meta dicts are copied, values shared
+    return copied
+
+
+def _own_containers(module: nn.Module) -> None:
+    """Give ``module`` and its submodules their own parameter, buffer and module dicts."""
+    for key in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+        module.__dict__[key] = copy.copy(module.__dict__[key])
+    children = {}
+    for name, child in module._modules.items():
+        if child is not None:
+            child = copy.copy(child)
+            _own_containers(child)
+        children[name] = child
+    module.__dict__["_modules"] = children
+
+
+def rewrite(planned: Planned, rank: int, group_name: str, *,
+            record: bool | Callable[[fx.GraphModule], str] = False,
+            skip: tuple[str, ...] = ()) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """One rank's graph: :data:`REWRITE_PASSES` on a copy of the planned graph.
+
+    ``skip``: pass names left out (``explain`` skips ``materialize_params``: it needs the
+    graph, not a copy of every weight of a real 7B model).
+    """
+    passes = [p for p in rewrite_passes(planned.plan, rank, group_name) if p[0] not in skip]
+    return run_passes(copy_graph(planned.cap.gm), passes, record=record)

@@ -1,0 +1,1 @@
+"""The planner: the op rule table, placement propagation, and the ShardingPlan it freezes."""

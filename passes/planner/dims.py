@@ -1,0 +1,130 @@
+"""Shape arithmetic the sharding rules share: symbolic sizes, view dim-groups, layout transforms.
+
+Sizes come from ``node.meta['val']`` and may be SymInts (dynamic batch / sequence); they are
+compared as sympy expressions so that no guard is ever added to the capture's shape env.
+"""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Demand, Layout, Misaligned
+
+__all__ = ["val", "shape", "size_expr", "view_groups", "split_layout", "merge_layout", "sub_layout",
+           "norm_dim"]
+
+
+def val(arg):
+    """The FakeTensor (or tuple of them) an FX value carries; None for non-tensors."""
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    return None
+
+
+def shape(arg) -> tuple:
+    v = val(arg)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def size_expr(s):
+    """An int for a static size, a sympy expression for a symbolic one."""
+    if isinstance(s, int):
+        return s
+    if isinstance(s, torch.SymInt):
+        expr = s.node.expr
+        return int(expr) if expr.is_number else expr
+    return s
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _is_one(s) -> bool:
+    return isinstance(s, int) and s == 1
+
+
+def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
+    """Pair up dims of a reshape: [(src_dims, dst_dims)], each group having equal products.
+
+    Size-1 dims form their own (possibly one-sided) groups. Returns None if the shapes do not
+    line up, which the caller treats as "cannot follow the shard through this view".
+    """
+    a, b = [size_expr(s) for s in src], [size_expr(s) for s in dst]
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and _is_one(a[i]):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(b) and _is_one(b[j]):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(a) or j >= len(b):
+            return None
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while not _equal(pa, pb):
+            if _smaller(pa, pb):
+                if i >= len(a):
+                    return None
+                pa, gi = pa * a[i], gi + [i]
+                i += 1
+            else:
+                if j >= len(b):
+                    return None
+                pb, gj = pb * b[j], gj + [j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _equal(pa, pb) -> bool:
+    if isinstance(pa, int) and isinstance(pb, int):
+        return pa == pb
+    return sympy.simplify(pa - pb) == 0
+
+
+def _smaller(pa, pb) -> bool:
+    """Whether product ``pa`` must grow to reach ``pb`` (symbols missing, or a smaller number)."""
+    if isinstance(pa, int) and isinstance(pb, int):
+        return pa < pb
+    num, den = sympy.fraction(sympy.simplify(sympy.sympify(pa) / pb))
+    if den.free_symbols - num.free_symbols:
+        return True
+    if num.free_symbols - den.free_symbols:
+        return False
+    return bool(num.is_number and den.is_number and num < den)
+
+
+def split_layout(layout: Layout, size: int, inner: int) -> Layout:
+    """The layout of the leading dim when a sharded dim is viewed as (size, inner)."""
+    if layout.rep == 1:
+        return Layout(layout.root, size, layout.offset, layout.scale * inner, 1)
+    if inner % layout.rep == 0:
+        return Layout(layout.root, size, layout.offset, layout.scale * inner // layout.rep, 1)
+    if layout.rep % inner == 0:
+        return Layout(layout.root, size, layout.offset, layout.scale, layout.rep // inner)
+    lo, hi = layout.covered()
+    raise Misaligned(Demand(layout.root, lo, hi, layout.scale * math.lcm(inner, layout.rep),
+                            reason=f"view of {layout} by {inner} cuts repeated groups"))
+
+
+def merge_layout(layout: Layout, inner: int) -> Layout:
+    """The layout of (sharded, inner...) dims merged into one."""
+    return Layout(layout.root, layout.size * inner, layout.offset, layout.scale, layout.rep * inner)
+
+
+def sub_layout(layout: Layout, start: int, stop: int) -> Layout:
+    """The layout of indices [start, stop) of a sharded dim (a split chunk)."""
+    if start % layout.rep:
+        lo, hi = layout.covered()
+        raise Misaligned(Demand(layout.root, lo, hi, layout.scale * layout.rep,
+                                reason=f"chunk at {start} cuts repeated groups of {layout}"))
+    return Layout(layout.root, stop - start, layout.offset + start // layout.rep * layout.scale,
+                  layout.scale, layout.rep)

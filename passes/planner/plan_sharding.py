@@ -1,0 +1,348 @@
+"""The planner: propagate placements, refine, and freeze the result into a ShardingPlan.
+
+``plan_sharding`` repeats :func:`propagate` until nothing changes:
+
+1. *Demands*: a view that splits features into ``(heads, head_dim)``, a split of a fused qkv
+   output, or grouped-query heads meeting their query groups each say how a root must be cut
+   (whole heads, per-chunk blocks, whole groups). They are added and propagation reruns.
+2. *Regions*: roots that meet in one op (q and k in an attention, w1 and w3 in SwiGLU) form a
+   region. A region must end where sharded data turns into a partial sum or a replicated
+   result by itself (a row-parallel matmul, a vocabulary-parallel loss or embedding). A
+   region that never does, or that leaks sharded data into ops needing whole rows (a norm over
+   features, a gathered graph output), is killed: its roots stay replicated, propagation reruns.
+   An in-place write (slice assignment) into sharded data that would land on a copy keeps
+   that data's roots replicated too (see :mod:`tpcompile.passes.planner.mutations`).
+3. *Tied tables*: a weight sharded by a column-parallel LM head that an embedding also reads
+   makes that embedding vocabulary-parallel too, so the table is sharded once. *Early
+   reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
+
+Refinements that change propagation (1, 3) are settled before regions are judged (2), since
+a killed root stays killed.
+
+Then parameters whose every use wants the same shard are sharded themselves (instead of being
+sliced at each use), and replicated values whose gradient arrives as per-rank partial sums are
+marked for a gradient all-reduce (Megatron's *f*), one per value however many consumers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+import torch
+from torch import fx
+
+from tpcompile.core.capture import Capture
+from tpcompile.errors import TPCompileError
+from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
+from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
+from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
+from tpcompile.passes.planner.propagate import (
+    PARAM_MATMULS, Constraints, Propagation, _same, propagate,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["plan_sharding"]
+
+MAX_ROUNDS = 64
+
+
+def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOptions()) -> ShardingPlan:
+    """Choose column / row / vocabulary / replicated placements for every weight of ``cap.gm``."""
+    if world_size < 1:
+        raise TPCompileError(f"world_size must be >= 1, got {world_size}")
+    gm = cap.gm
+    constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
+    for _ in range(MAX_ROUNDS):
+        state = propagate(gm, world_size, constraints)
+        fresh = [d for d in state.demands if d not in constraints.demands]
+        if fresh:
+            constraints.demands.extend(fresh)
+            continue
+        tied = _tables_to_follow(gm, state) - constraints.tied
+        early = _mixed_partials(state) - constraints.reduce_early
+        if tied or early:
+            constraints.tied |= tied
+            constraints.reduce_early |= early
+            continue
+        dead = _dead_regions(state, options)
+        dead.update((r, why) for r, why in _written_copies(gm, state).items() if r not in dead)
+        if not dead:
+            break
+        constraints.killed.update(dead)
+    else:
+        log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
+    plan = _freeze(cap, state, constraints, world_size)
+    check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
+    return plan
+
+
+def _sequence_length(cap: Capture, options: PlanOptions) -> int | None:
+    """Dim 1 of the first input with one: what sequence parallelism cuts."""
+    if not options.sequence_parallel:
+        return None
+    for shape_, _ in cap.input_specs:
+        if len(shape_) >= 2:
+            return int(shape_[1])
+    raise TPCompileError("sequence_parallel needs an input with a sequence dim (dim 1), "
+                         f"got input shapes {[s for s, _ in cap.input_specs]}")
+
+
+def _consumed(state: Propagation, value: fx.Node, user: fx.Node):
+    """The placement ``user`` reads ``value`` in (after any conversion)."""
+    return state.conversions.get((value, user), state.placements.get(value))
+
+
+def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
+    """Roots of regions with no proper exit, or that leak sharded data: root -> why."""
+    regions = nx.Graph()
+    regions.add_nodes_from(state.roots)
+    regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
+    exits, leaks = set(), {}
+    for node, placement in state.placements.items():
+        if placement is None or isinstance(placement, (Shard, list, tuple)):
+            continue
+        for arg in node.all_input_nodes:  # sharded in, partial or replicated out: an exit
+            p = _consumed(state, arg, node)
+            if isinstance(p, Shard):
+                exits.add(p.layout.root)
+    for (value, user), dst in state.conversions.items():
+        src = state.placements.get(value)
+        if isinstance(src, Shard) and not isinstance(dst, Shard) and user.name not in state.fallbacks:
+            # a rule that needs the whole dim (a norm over features, the graph output): the
+            # region leaks into replicated code and would gather there on every step
+            leaks.setdefault(src.layout.root, user.name)
+    if options.loss_parallel:  # sharded logits handed to the user are an exit too
+        exits |= {p.layout.root for a in state.output.all_input_nodes
+                  if isinstance(p := _consumed(state, a, state.output), Shard)}
+    dead = {}
+    for component in nx.connected_components(regions):
+        leak = next((leaks[r] for r in sorted(component) if r in leaks), None)
+        if leak is None and component & exits:
+            continue
+        users = sorted({u.name for r in component for u in state.root_users.get(r, ())})
+        why = (f"sharding it ({', '.join(users)}) would all-gather at {leak}" if leak is not None
+               else f"sharding it ({', '.join(users)}) never reaches a row-parallel consumer")
+        for root in component:
+            dead[root] = why
+    return dead
+
+
+def _written_copies(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+    """Roots whose sharded data an in-place op would write on a copy of: root -> why.
+
+    Keeping them replicated makes the write land where the unsharded model's does.
+    """
+    out = {}
+    for c in write_conflicts(gm, lambda value, user: (value, user) in state.conversions):
+        for node in [c.edge[0]] + c.chain:
+            for root in _roots_behind(state, node, set()):
+                out.setdefault(root, f"{c.op.name} ({c.op.target}) writes into its sharded data "
+                                     "in place; sharded, the write would land on a copy")
+    return out
+
+
+def _roots_behind(state: Propagation, node: fx.Node, seen: set) -> set[str]:
+    """The roots a value's distributed placement comes from (a partial sum: its inputs')."""
+    if node in seen:
+        return set()
+    seen.add(node)
+    p = state.placements.get(node)
+    if isinstance(p, Shard):
+        return {p.layout.root}
+    if isinstance(p, (Partial, list, tuple)):
+        return set().union(*(_roots_behind(state, a, seen) for a in node.all_input_nodes))
+    return set()
+
+
+def _mixed_partials(state: Propagation) -> set[str]:
+    """Partial sums some consumer reduces while others carry them on partially.
+
+    Once the all-reduce is paid for one consumer, every consumer should read its result;
+    carrying the partial sum further (through the norm's ``x * rsqrt(...)`` into q/k/v, say)
+    would only need more all-reduces later.
+    """
+    out = set()
+    for node, p in state.placements.items():
+        if not isinstance(p, Partial):
+            continue
+        reads = [_consumed(state, node, u) for u in node.users]
+        if any(isinstance(r, Replicate) for r in reads) and any(isinstance(r, Partial) for r in reads):
+            out.add(node.name)
+    return out
+
+
+def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
+    """Roots whose weight an embedding still reads whole: that embedding should shard it too."""
+    out = set()
+    for root in state.roots:
+        w = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == root), None)
+        for user in (w.users if w is not None else ()):
+            if user.target is torch.ops.aten.embedding.default and not isinstance(
+                    _consumed(state, w, user), Shard):
+                out.add(root)
+    return out
+
+
+def _floating(v) -> bool:
+    """A floating tensor, or a multi-output op's list holding one (split, chunk, unbind)."""
+    if isinstance(v, (list, tuple)):
+        return any(_floating(x) for x in v)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
+    """Values that may carry a gradient: floating tensors downstream of params or inputs.
+
+    A split's output list carries them through to its getitems; without it, a value reached
+    only through a fused qkv split would lose its gradient all-reduce (Megatron f).
+    """
+    out = set()
+    for node in gm.graph.nodes:
+        if not _floating(val(node)):
+            continue
+        if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
+            out.add(node)
+        elif node.op == "call_function" and any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _is_distributed(p) -> bool:
+    return any(x is not None and not isinstance(x, Replicate) for x in each(p))
+
+
+def _absorb_params(gm, state: Propagation) -> None:
+    """A weight every use wants sharded the same way is stored sharded; no slicing at use."""
+    specs = state.specs
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        wanted = [state.conversions.get((node, u)) for u in node.users]
+        first = wanted[0]
+        if isinstance(first, Shard) and all(
+                isinstance(w, Shard) and _same(specs, first, w) for w in wanted):
+            state.placements[node] = first
+            for u in node.users:
+                del state.conversions[(node, u)]
+
+
+def _grad_syncs(gm, state: Propagation, needs_grad: set) -> list[str]:
+    """Replicated values some consumer differentiates only partially (per rank) -> f."""
+    out = []
+    for node in gm.graph.nodes:
+        if node not in needs_grad or not isinstance(state.placements.get(node), Replicate):
+            continue
+        for user in node.users:
+            dst = state.conversions.get((node, user))
+            if isinstance(dst, Shard) or (dst is None and _is_distributed(state.placements.get(user))):
+                out.append(node.name)
+                break
+    return out
+
+
+def _partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:
+    """Whether the replicated value a conversion produces is differentiated partially per rank.
+
+    A gather whose result a sharded op reads, and a re-shard (S -> S on another dim or layout:
+    gathered whole, then sliced per rank) both hand each rank's slice of the gradient back to
+    a replicated value: the gather's backward must sum those over ranks.
+    """
+    src = state.placements.get(value)
+    if isinstance(dst, Shard):
+        return isinstance(src, Shard) and (
+            src.dim != dst.dim or not state.specs.contains(src.layout, dst.layout))
+    return isinstance(dst, Replicate) and _is_distributed(state.placements.get(user))
+
+
+def _style(node: fx.Node, state: Propagation) -> str:
+    p = state.placements[node]
+    if not isinstance(p, Shard) or state.specs.is_full(p.layout):
+        return "replicate"
+    if any(u.target is torch.ops.aten.embedding.default for u in node.users):
+        return "vocab"
+    if any(isinstance(state.placements.get(u), Partial) for u in node.users):
+        return "rowwise"
+    return "colwise"
+
+
+def _local_shape(global_shape, placement, specs: Specs, rank: int):
+    s = list(global_shape)
+    if isinstance(placement, Shard):
+        s[placement.dim] = specs.local_size(placement.layout, rank)
+    return tuple(s)
+
+
+def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: int) -> str:
+    users = list(node.users)
+    if node.target not in cap.params:
+        return "buffer"
+    if node.target in killed:
+        return killed[node.target]
+    if len(users) > 1:
+        return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
+    user = users[0] if users else None
+    if user is not None and user.target is torch.ops.aten.linear.default and shape(node)[0] < ws:
+        return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
+    if user is not None and user.target in PARAM_MATMULS:
+        return "its matmul's input is not sharded on a dim it can split"
+    return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
+
+
+def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int) -> ShardingPlan:
+    gm = cap.gm
+    specs = state.specs
+    _absorb_params(gm, state)
+    needs_grad = _needs_grad(gm, cap.params)
+    syncs = _grad_syncs(gm, state, needs_grad)
+    params = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
+            continue  # an unused get_attr is a tied alias export keeps: the used one speaks for it
+        p = state.placements[node]
+        style = _style(node, state)
+        overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
+        grad_sync = node.target in cap.params and (node.name in syncs or overlapping)
+        if style == "replicate" and isinstance(p, Shard):
+            reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
+                      f"region of {next(iter(node.users)).name}")
+        elif style == "replicate":
+            reason = _replicated_reason(node, constraints.killed, cap, ws)
+        else:
+            user = next(iter(node.users))
+            reason = f"{style} in {user.name}" + (
+                "; replicated blocks (too few heads for every rank)" if overlapping else "")
+        gshape = tuple(int(s) for s in shape(node))
+        params[node.target] = ParamPlan(
+            name=node.target, aliases=cap.aliases.get(node.target, (node.target,)), style=style,
+            placement=p, global_shape=gshape,
+            local_shapes=tuple(_local_shape(gshape, p, specs, r) for r in range(ws)),
+            grad_sync=grad_sync, reason=reason)
+    conversions = tuple(
+        Conversion(value.name, user.name, state.placements.get(value), dst,
+                   sum_grads=value in needs_grad and _partial_grads(state, value, user, dst))
+        for (value, user), dst in state.conversions.items())
+    used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
+    outputs = tuple(_consumed(state, a, state.output) for a in state.output.all_input_nodes)
+    return ShardingPlan(
+        world_size=ws, params=params,
+        placements={n.name: p for n, p in state.placements.items() if p is not None},
+        conversions=conversions,
+        grad_syncs=tuple(syncs),
+        roots={k: v for k, v in specs.roots.items() if k in used_roots},
+        fallbacks=dict(state.fallbacks),
+        replicated=dict(constraints.killed),
+        options=constraints.options,
+        outputs=outputs,
+        notes=cap.notes,
+    )
+
+
+def _all_shards(placements):
+    for p in placements:
+        if isinstance(p, (list, tuple)):
+            yield from _all_shards(p)
+        elif isinstance(p, Shard):
+            yield p

@@ -1,0 +1,277 @@
+"""Placement propagation: run the rule table over the graph in topological order.
+
+This is an analysis; it does not touch the graph. Given which matmuls may start a
+column-parallel region and how each root is cut, it returns every node's output placement and
+the conversions (gathers, all-reduces, local slices) consumers need. The planner
+(:mod:`tpcompile.passes.planner.plan_sharding`) calls it repeatedly while it refines those inputs.
+
+Column parallelism is decided here, locally: a matmul whose activation is replicated and whose
+weight is a trainable parameter shards that weight's output features (a new *root*, named by
+the weight); a matmul whose activation arrives sharded on the contracted dim shards its
+weight's input features to match (row parallel) and produces a Partial sum. Chains therefore
+alternate column -> row exactly as Megatron's do, whatever the modules are called. The
+planner's accumulated decisions arrive as :class:`Constraints`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
+from tpcompile.core.plan import PlanOptions
+from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.rules import rule_for
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "PARAM_MATMULS"]
+
+PARAM_MATMULS = (aten.linear.default, aten.mm.default, aten.matmul.default)
+SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
+
+
+@dataclass
+class Constraints:
+    """What the planner has learnt so far; each propagation round reads it."""
+
+    params: frozenset[str]                                  # trainable parameter targets
+    options: PlanOptions = PlanOptions()
+    killed: dict[str, str] = field(default_factory=dict)    # root -> why it stays whole
+    demands: list[Demand] = field(default_factory=list)
+    tied: set[str] = field(default_factory=set)             # roots embeddings must follow
+    reduce_early: set[str] = field(default_factory=set)     # partial sums every consumer reads reduced
+    seq_len: int | None = None                              # sequence parallelism: static length
+
+
+@dataclass
+class Propagation:
+    placements: dict[fx.Node, object] = field(default_factory=dict)
+    conversions: dict[tuple[fx.Node, fx.Node], object] = field(default_factory=dict)
+    roots: dict[str, fx.Node] = field(default_factory=dict)   # root name -> matmul node
+    demands: list[Demand] = field(default_factory=list)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    links: list[tuple[str, str]] = field(default_factory=list)  # roots that meet in one op
+    root_users: dict[str, set] = field(default_factory=dict)    # root -> ops that shard it
+    specs: Specs | None = None
+    output: fx.Node | None = None
+
+
+def _is_tensor(arg) -> bool:
+    return isinstance(arg, fx.Node) and isinstance(val(arg), torch.Tensor)
+
+
+class OpView:
+    """What a rule sees of one node: input placements, and a way to ask for conversions."""
+
+    def __init__(self, node, state: Propagation, specs: Specs, constraints: Constraints):
+        self.node, self._state, self.specs = node, state, specs
+        self.constraints = constraints
+        self.options = constraints.options
+        self._demands = constraints.demands
+        self.required: dict[fx.Node, object] = {}
+
+    def is_tensor(self, arg) -> bool:
+        return _is_tensor(arg)
+
+    def placement(self, arg):
+        """The placement the op reads ``arg`` in (a list for multi-output ops); R for constants.
+
+        A partial sum the planner decided to reduce early reads as replicated everywhere.
+        """
+        p = self._produced(arg)
+        if isinstance(p, Partial) and arg.name in self.constraints.reduce_early:
+            self.required.setdefault(arg, Replicate())
+            return Replicate()
+        return p
+
+    def _produced(self, arg):
+        p = self._state.placements.get(arg) if isinstance(arg, fx.Node) else None
+        return Replicate() if p is None else p
+
+    def require(self, arg, placement) -> None:
+        if not _is_tensor(arg):
+            return
+        if not _same(self.specs, self._produced(arg), placement):
+            self.required[arg] = placement
+        else:
+            self.required.pop(arg, None)
+
+    def overlaps(self, layout: Layout) -> bool:
+        return self.specs.overlaps(layout)
+
+    def check_aligned(self, layout: Layout) -> None:
+        self.specs.ranges(layout)
+
+    def require_block(self, layout: Layout) -> None:
+        """The root indices ``layout`` covers must be whole blocks of its root's cut."""
+        lo, hi = layout.covered()
+        cuts = {b.start for b in self.specs.roots[layout.root].blocks} | {layout.size}
+        cuts |= {b.stop for b in self.specs.roots[layout.root].blocks}
+        demand = Demand(layout.root, lo, hi, reason=f"chunk [{lo}, {hi}) of {layout.root}")
+        if (lo not in cuts or hi not in cuts) and demand not in self._demands:
+            raise Misaligned(demand)
+
+    def unify(self, items: list[tuple[fx.Node, Layout]]) -> Layout:
+        """One layout for operands sharded on the same label; the rest get converted to it."""
+        target = items[0][1]
+        for _, layout in items[1:]:
+            self._state.links.append((target.root, layout.root))
+            if self.specs.same(target, layout) or self.specs.contains(layout, target):
+                continue
+            if self.specs.contains(target, layout):
+                target = layout  # narrow the wider operands to the more specific one
+                continue
+            if target.rep != layout.rep and target.size == layout.size:
+                # grouped-query heads: cut the ungrouped root in whole groups, then they agree
+                plain, grouped = (target, layout) if target.rep < layout.rep else (layout, target)
+                lo, hi = plain.covered()
+                demand = Demand(plain.root, lo, hi, plain.scale * grouped.rep // plain.rep,
+                                reason=f"{plain.root} must be cut in whole groups of {grouped.root}")
+                if demand not in self._demands:
+                    raise Misaligned(demand)
+        return target
+
+    def maybe_column_parallel(self, operands, out_labels, assume_replicated=()):
+        """Start a column-parallel root at a parameter matmul with a replicated activation."""
+        if self.node.target not in PARAM_MATMULS or "n" not in out_labels:
+            return None
+        if any(not isinstance(self.placement(a), Replicate) for a, _ in operands
+               if a not in assume_replicated and _is_tensor(a)):
+            return None
+        weights = [(arg, labels) for arg, labels in operands
+                   if "n" in labels and self.is_param(arg)]
+        if len(weights) != 1:
+            return None
+        w, labels = weights[0]
+        layout = self.root_layout(w, labels.index("n"))
+        if layout is None:
+            return None
+        self.require(w, Shard(labels.index("n"), layout))
+        for arg, lab in operands:
+            if arg is not w and "n" in lab:  # a bias over the same features
+                self.require(arg, Shard(lab.index("n"), layout))
+        return Shard(out_labels.index("n"), layout)
+
+    def sequence_label(self, out_labels) -> object:
+        """With sequence parallelism: the label of dim 1 of a (batch, seq, features) output."""
+        t = self.constraints.seq_len
+        out = val(self.node)
+        if (t is None or self.specs.world_size < 2 or not isinstance(out, torch.Tensor)
+                or out.dim() != 3 or out.shape[1] != t or not out.dtype.is_floating_point):
+            return None
+        return out_labels[1]
+
+    def sequence_layout(self) -> Layout:
+        t = self.constraints.seq_len
+        if SEQUENCE not in self.specs.roots:
+            self.specs.roots[SEQUENCE] = RootSpec.build(SEQUENCE, t, self.specs.world_size, [])
+        return Layout(SEQUENCE, t)
+
+    def gather_for_column(self, operands, out_labels):
+        """A parameter matmul reading sequence shards gathers them first (Megatron-SP).
+
+        Then it goes column-parallel, or, when its weight must stay whole (an LM head whose
+        logits are gathered), computes replicated: gathering the input moves fewer bytes than
+        gathering its output (features out >= in for LM heads) and needs no weight-gradient sync.
+        """
+        if self.node.target not in PARAM_MATMULS or not any(self.is_param(a) for a, _ in operands):
+            return None
+        activations = [a for a, _ in operands if isinstance(self.placement(a), Shard)]
+        column = self.maybe_column_parallel(operands, out_labels, assume_replicated=activations)
+        for a in activations:
+            self.require(a, Replicate())
+        return column or Replicate()
+
+    def is_param(self, arg) -> bool:
+        return isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in self.constraints.params
+
+    def root_layout(self, w: fx.Node, dim: int) -> Layout | None:
+        """The layout of parameter ``w`` split along ``dim`` as a root, or None if it may not be.
+
+        A weight used by several ops (tied embeddings, shared layers) names one root, so every
+        use that shards it agrees on the same cut.
+        """
+        size = int(shape(w)[dim])
+        name = w.target
+        if self.specs.world_size < 2 or size < self.specs.world_size or name in self.constraints.killed:
+            return None
+        if name not in self.specs.roots:
+            mine = [d for d in self._demands if d.root == name]
+            self.specs.roots[name] = RootSpec.build(name, size, self.specs.world_size, mine)
+        self._state.roots.setdefault(name, self.node)
+        self._state.root_users.setdefault(name, set()).add(self.node)
+        return Layout(name, size)
+
+
+def _same(specs: Specs, a, b) -> bool:
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        return a.dim == b.dim and specs.same(a.layout, b.layout)
+    return type(a) is type(b) and not isinstance(a, Shard)
+
+
+def propagate(gm: fx.GraphModule, world_size: int, constraints: Constraints) -> Propagation:
+    """Placements of every node under the planner's current ``constraints``."""
+    state = Propagation()
+    specs = Specs(world_size)
+    state.specs = specs
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            state.placements[node] = Replicate() if _is_tensor(node) else None
+            continue
+        if node.op == "output":
+            state.output = node
+            op = OpView(node, state, specs, constraints)
+            for arg in node.all_input_nodes:
+                keep = constraints.options.loss_parallel and isinstance(op.placement(arg), Shard)
+                if not keep:  # outputs are replicated unless sharded logits were asked for
+                    op.require(arg, Replicate())
+            _record(state, node, op.required)
+            continue
+        state.placements[node] = _visit(node, state, specs, constraints)
+    return state
+
+
+def _visit(node, state, specs, constraints):
+    tensor_out = isinstance(val(node), (torch.Tensor, list, tuple))
+    inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
+    distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
+    rule = rule_for(node)
+    op = OpView(node, state, specs, constraints)
+    if rule is not None:
+        try:
+            out = rule.propagate(op)
+            _record(state, node, op.required)
+            return out
+        except Misaligned as e:
+            state.demands.append(e.demand)
+            reason = e.demand.reason
+        except Exception as e:  # noqa: BLE001 - a rule that cannot follow an op replicates it
+            log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
+            reason = f"sharding rule failed: {type(e).__name__}: {e}"
+    elif not tensor_out:
+        return None  # sizes (sym_size of dynamic dims), asserts: nothing to place or convert
+    else:
+        reason = f"no sharding rule for {getattr(node.target, '__name__', node.target)}"
+    op = OpView(node, state, specs, constraints)
+    for a in inputs:
+        op.require(a, Replicate())
+    if distributed and any(isinstance(state.placements.get(a), Shard) for a in inputs):
+        state.fallbacks[node.name] = reason
+    _record(state, node, op.required)
+    if not tensor_out:
+        return None
+    v = val(node)
+    return [Replicate()] * len(v) if isinstance(v, (list, tuple)) else Replicate()
+
+
+def _record(state: Propagation, node: fx.Node, required: dict) -> None:
+    for arg, placement in required.items():
+        state.conversions[(arg, node)] = placement
+        src = state.placements.get(arg)
+        if isinstance(src, Shard) and isinstance(placement, Shard):
+            state.links.append((src.layout.root, placement.layout.root))

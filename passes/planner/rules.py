@@ -1,0 +1,644 @@
+"""The one table of per-op sharding rules.
+
+Each entry maps ATen overloads to a :class:`Rule`: ``propagate(op)`` reads the placements of the
+op's inputs (``op.placement(arg)``), asks for conversions of inputs it cannot take as they are
+(``op.require(arg, placement)``: gathers, all-reduces, local slices) and returns the placement
+of the output; ``localize(node, local)`` rewrites the shape constants a shard changes
+(``view(B, T, 8, 16)`` -> ``view(B, T, 4, 16)``). Ops missing from the table are handled by the
+propagation engine as "replicated": sharded inputs are gathered, and the fallback is recorded
+so ``explain`` can show it.
+
+Most ops are einsum-like and share :func:`einsum_rule`: every dimension has a label, a sharded
+label that survives into the output keeps the output sharded, a sharded label that is summed
+over makes the output Partial. ``linear`` says how Partial inputs pass through: ``"add"`` (all
+tensor operands Partial: a sum of partial sums), ``"mul"`` (exactly one operand Partial: the op
+is linear in it), ``"unary"`` (one operand) or ``None`` (Partial inputs are all-reduced first).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Layout, Partial, Replicate, Shard
+from tpcompile.runtime.rng import per_rank_sdpa, sharded_dropout
+from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from tpcompile.passes.planner.dims import (
+    merge_layout, norm_dim, shape, split_layout, sub_layout, val, view_groups,
+)
+
+aten = torch.ops.aten
+
+__all__ = ["Rule", "RULES", "rule_for", "einsum_rule"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    propagate: Callable
+    localize: Callable | None = None
+
+
+RULES: dict = {}
+
+
+def register(*targets, localize=None):
+    def deco(fn):
+        for t in targets:
+            RULES[t] = Rule(fn, localize)
+        return fn
+    return deco
+
+
+def rule_for(node: fx.Node) -> Rule | None:
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in RULES:
+        return RULES[target]
+    packet = getattr(target, "overloadpacket", None)
+    return RULES.get(packet)
+
+
+# --------------------------------------------------------------------------- einsum core
+
+def einsum_rule(op, operands, out_labels, linear=None):
+    """Propagate through an op whose operand dims carry labels (see module docstring).
+
+    ``operands``: [(arg, labels)] with one label per dim (None: a broadcast size-1 dim).
+    With sequence parallelism, replicated and partial activations are put on sequence shards
+    (partial ones by a reduce-scatter) and column-parallel matmuls gather their input first.
+    """
+    sharded, partial = [], []
+    for i, (arg, labels) in enumerate(operands):
+        p = op.placement(arg)
+        if isinstance(p, Shard):
+            sharded.append((i, labels[p.dim], p.layout))
+        elif isinstance(p, Partial):
+            partial.append(i)
+    seq = op.sequence_label(out_labels)
+    if partial and not sharded:
+        if linear == "add" and len(partial) == len([o for o in operands if op.is_tensor(o[0])]):
+            return Partial()
+        if linear in ("mul", "unary") and len(partial) == 1:
+            return Partial()
+        if seq is None or not all(seq in operands[i][1] for i in partial):
+            for i in partial:
+                op.require(operands[i][0], Replicate())
+            return Replicate()
+        sharded = [(i, seq, op.sequence_layout()) for i in partial]  # reduce-scatter them
+    if not sharded:
+        column = op.maybe_column_parallel(operands, out_labels)
+        if column is not None or seq is None:
+            return column or Replicate()
+        sharded = [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
+    label = sharded[0][1]
+    if label is None:  # sharded along a dim the op does not map (e.g. a broadcast size-1 dim)
+        for arg, _ in operands:
+            op.require(arg, Replicate())
+        return Replicate()
+    if label == seq and len(sharded) == len([s for s in sharded if s[1] == seq]):
+        column = op.gather_for_column(operands, out_labels)  # Megatron-SP: all-gather, then column
+        if column is not None:
+            return column
+    for i, lab, _ in sharded[1:]:
+        if lab != label:  # a second sharded label: gather that operand
+            op.require(operands[i][0], Replicate())
+    same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label and i is not None]
+    target = op.unify(same) if same else sharded[0][2]
+    contracted = label not in out_labels
+    if contracted and (linear != "mul" or op.overlaps(target)):
+        # a non-linear reduction over a sharded dim (softmax over heads' dim, norms) or a
+        # sum over replicated blocks: both need the whole dim on every rank
+        for arg, _ in same:
+            op.require(arg, Replicate())
+        return Replicate()
+    for i, (arg, labels) in enumerate(operands):
+        if label in labels:  # replicated operands are sliced, partial ones reduce-scattered
+            op.require(arg, Shard(labels.index(label), target))
+        elif i in partial:
+            op.require(arg, Replicate())
+    if contracted:
+        return Partial()
+    return Shard(out_labels.index(label), target)
+
+
+def _broadcast_labels(args, out_shape):
+    """Right-aligned labels for pointwise operands; broadcast size-1 dims get None."""
+    n = len(out_shape)
+    result = []
+    for a in args:
+        s = shape(a)
+        labels = []
+        for d, size in enumerate(s):
+            o = d + n - len(s)
+            labels.append(None if (isinstance(size, int) and size == 1 and out_shape[o] != 1) else o)
+        result.append((a, labels))
+    return result
+
+
+def _replicate_all(op):
+    """The op runs on whole tensors: every tensor input is gathered / reduced first."""
+    for a in _tensor_args(op.node):
+        op.require(a, Replicate())
+    return Replicate()
+
+
+def _tensor_args(node):
+    flat = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            flat.extend(x for x in a if isinstance(x, fx.Node))
+        elif isinstance(a, fx.Node):
+            flat.append(a)
+    return [a for a in flat if isinstance(val(a), torch.Tensor)]
+
+
+def _pointwise(linear):
+    def propagate(op):
+        out = shape(op.node)
+        operands = _broadcast_labels(_tensor_args(op.node), out)
+        return einsum_rule(op, operands, list(range(len(out))), linear)
+    return propagate
+
+
+UNARY_LINEAR = [
+    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+    aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default, aten.type_as.default,
+]
+POINTWISE = [
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
+    aten.sigmoid.default, aten.exp.default, aten.log.default, aten.rsqrt.default,
+    aten.sqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.where.self, aten.add.Scalar, aten.sub.Scalar,
+    aten.bitwise_not.default, aten.abs.default, aten.erf.default, aten.reciprocal.default,
+    aten.softplus.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
+    aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
+    aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
+]
+register(*UNARY_LINEAR)(_pointwise("unary"))
+
+
+def _localize_dropout(node, local):
+    """A sharded dropout draws the whole tensor's mask and keeps its slice (see tpcompile.runtime.rng)."""
+    (p,) = local.out_placements(node)
+    x, prob, train = node.args
+    if isinstance(p, Shard) and prob and train:
+        local.replace_target(node, sharded_dropout, (
+            x, prob, train, p.dim, p.layout.size, list(local.specs.ranges(p.layout)[local.rank])))
+
+
+register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
+register(*POINTWISE)(_pointwise(None))
+register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
+register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
+
+
+def _in_place(propagate):
+    """``relu_``, ``add_``...: the out-of-place rule, as long as the written tensor keeps its
+    placement. Converting a replicated one would hand the write a copy, so the other operands
+    are gathered instead; a sharded or partial one converted anyway is judged by
+    :func:`tpcompile.passes.planner.mutations.check_mutations`."""
+    def rule(op):
+        out = propagate(op)
+        written = op.node.args[0]
+        if written in op.required and isinstance(op.placement(written), Replicate):
+            op.required.clear()
+            for a in _tensor_args(op.node):
+                op.require(a, Replicate())
+            return Replicate()
+        return out
+    return rule
+
+
+IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it follows
+    aten.relu_.default: aten.relu.default, aten.gelu_.default: aten.gelu.default,
+    aten.silu_.default: aten.silu.default, aten.tanh_.default: aten.tanh.default,
+    aten.sigmoid_.default: aten.sigmoid.default, aten.hardtanh_.default: aten.hardtanh.default,
+    aten.leaky_relu_.default: aten.leaky_relu.default, aten.elu_.default: aten.elu.default,
+    aten.clamp_.default: aten.clamp.default, aten.exp_.default: aten.exp.default,
+    aten.neg_.default: aten.neg.default, aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+    aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar,
+    aten.sub_.Tensor: aten.sub.Tensor, aten.sub_.Scalar: aten.sub.Scalar,
+    aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+    aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar,
+}
+for _op, _like in IN_PLACE.items():
+    RULES[_op] = Rule(_in_place(RULES[_like].propagate))
+
+
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view(op):
+    """``(..., 2)`` real <-> ``(...)`` complex: the leading dims keep their positions (they are
+    not broadcast-aligned from the right); a shard of the real/imaginary pair is gathered."""
+    x = op.node.args[0]
+    lead = min(len(shape(x)), len(shape(op.node)))
+    return einsum_rule(op, [(x, list(range(lead)) + [None] * (len(shape(x)) - lead))],
+                       list(range(lead)) + ["pair"] * (len(shape(op.node)) - lead), "unary")
+
+
+# --------------------------------------------------------------------------- matmuls
+
+@register(aten.linear.default)
+def _linear(op):
+    x, w = op.node.args[0], op.node.args[1]
+    n = len(shape(x))
+    x_labels = list(range(n - 1)) + ["k"]
+    out_labels = list(range(n - 1)) + ["n"]
+    operands = [(x, x_labels), (w, ["n", "k"])]
+    if len(op.node.args) > 2 and op.node.args[2] is not None:
+        operands.append((op.node.args[2], ["n"]))
+    return einsum_rule(op, operands, out_labels, linear="mul")
+
+
+def _matmul_labels(sa, sb):
+    """Labels for torch.matmul semantics (1-D operands, broadcast batch dims)."""
+    na, nb = len(sa), len(sb)
+    a = ["m", "k"] if na >= 2 else ["k"]
+    b = ["k", "n"] if nb >= 2 else ["k"]
+    batch = max(na, nb) - 2
+    a = [f"b{batch - (na - 2) + i}" for i in range(na - 2)] + a
+    b = [f"b{batch - (nb - 2) + i}" for i in range(nb - 2)] + b
+    out = [f"b{i}" for i in range(max(batch, 0))] + (["m"] if na >= 2 else []) + (["n"] if nb >= 2 else [])
+    # broadcast batch dims of size 1 carry no label
+    a = [None if lab.startswith("b") and sa[i] == 1 else lab for i, lab in enumerate(a)]
+    b = [None if lab.startswith("b") and sb[i] == 1 else lab for i, lab in enumerate(b)]
+    return a, b, out
+
+
+@register(aten.matmul.default, aten.mm.default, aten.bmm.default)
+def _matmul(op):
+    x, w = op.node.args[0], op.node.args[1]
+    a, b, out = _matmul_labels(shape(x), shape(w))
+    return einsum_rule(op, [(x, a), (w, b)], out, linear="mul")
+
+
+def _localize_sdpa(node, local):
+    """Attention dropout on sharded heads draws from a per-rank generator (see tpcompile.runtime.rng)."""
+    dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    (p,) = local.out_placements(node)
+    if dropout_p and isinstance(p, Shard):
+        local.replace_target(node, per_rank_sdpa, tuple(node.args))
+        node.kwargs = {**node.kwargs, "rank": local.rank}
+
+
+@register(aten.scaled_dot_product_attention.default, localize=_localize_sdpa)
+def _sdpa(op):
+    """Heads are independent: q, k, v sharded alike on dim 1 keep the output sharded.
+
+    With ``enable_gqa`` k/v hold fewer heads; each kv head must sit with its group of q heads.
+    """
+    q, k, v = op.node.args[:3]
+    mask = op.node.args[3] if len(op.node.args) > 3 else op.node.kwargs.get("attn_mask")
+    hq, hk = shape(q)[-3], shape(k)[-3]
+    pq = op.placement(q)
+    causal = op.node.args[5] if len(op.node.args) > 5 else op.node.kwargs.get("is_causal", False)
+    if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
+        # is_causal masks by *local* query index: query rows cut by position (sequence
+        # parallelism) would each be masked as if they started at 0, so they are gathered
+        operands = [(q, ["b", "h", None if causal else "l", "e"]), (k, ["b", "h", "s", "e"]),
+                    (v, ["b", "h", "s", "f"])]
+        if isinstance(mask, fx.Node):
+            names = ["b", "h", "l", "s"][4 - len(shape(mask)):]
+            operands.append((mask, [None if s == 1 else lab for lab, s in zip(names, shape(mask))]))
+        if hq != hk:  # gqa with q replicated: nothing to align, keep all replicated
+            for arg, _ in operands:
+                op.require(arg, Replicate())
+            return Replicate()
+        return einsum_rule(op, operands, ["b", "h", "l", "f"])
+    group = Layout(pq.layout.root, hk, pq.layout.offset, pq.layout.scale * (hq // hk), 1)
+    op.check_aligned(group)
+    hd = len(shape(k)) - 3
+    op.require(k, Shard(hd, group))
+    op.require(v, Shard(hd, group))
+    if isinstance(mask, fx.Node) and len(shape(mask)) >= 3 and shape(mask)[-3] == hq:
+        op.require(mask, Shard(len(shape(mask)) - 3, pq.layout))
+    return pq
+
+
+# --------------------------------------------------------------------------- reductions / norms
+
+def _reduce(linear):
+    def propagate(op):
+        x = op.node.args[0]
+        n = len(shape(x))
+        dims = op.node.args[1] if len(op.node.args) > 1 else None
+        keepdim = op.node.args[2] if len(op.node.args) > 2 else op.node.kwargs.get("keepdim", False)
+        reduced = set(range(n)) if dims in (None, []) else {norm_dim(d, n) for d in (
+            dims if isinstance(dims, (list, tuple)) else [dims])}
+        out = [d if (d not in reduced or keepdim) else None for d in range(n)]
+        labels = [f"r{d}" if d in reduced else d for d in range(n)]
+        return einsum_rule(op, [(x, labels)], [o for o in out if o is not None] if not keepdim
+                           else [d if d not in reduced else f"kept{d}" for d in range(n)], linear)
+    return propagate
+
+
+register(aten.sum.dim_IntList, aten.sum.default)(_reduce("mul"))
+register(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
+         aten.var.correction, aten.std.correction, aten.argmax.default)(_reduce(None))
+
+
+def _last_dims_free(count_fn):
+    """Ops that read whole trailing dims (softmax over dim, layer_norm over normalized_shape)."""
+    def propagate(op):
+        x = op.node.args[0]
+        n = len(shape(x))
+        free = count_fn(op.node, n)
+        labels = [f"r{d}" if d in free else d for d in range(n)]
+        operands = [(x, labels)]
+        for a in _tensor_args(op.node)[1:]:  # weight / bias over the normalized dims
+            operands.append((a, [f"r{d}" for d in range(n - len(shape(a)), n)]))
+        # the whole of each free dim feeds every output element: its label is not carried over
+        return einsum_rule(op, operands, [d if d not in free else f"o{d}" for d in range(n)])
+    return propagate
+
+
+register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+         aten._log_softmax.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
+register(aten.layer_norm.default, aten.rms_norm.default)(
+    _last_dims_free(lambda node, n: set(range(n - len(node.args[1]), n))))
+
+
+# --------------------------------------------------------------------------- shape ops
+
+def _shard_of(op, x):
+    p = op.placement(x)
+    return p if isinstance(p, Shard) else None
+
+
+def _passthrough_non_shard(op, x):
+    """Replicate and Partial flow through shape ops unchanged (they are linear maps)."""
+    p = op.placement(x)
+    return p if not isinstance(p, Shard) else None
+
+
+def _local_shape_arg(index):
+    """Rewrite the shape list at ``args[index]``: each sharded output dim gets its local size."""
+    def localize(node, local):
+        sizes = list(node.args[index])
+        for d, size in local.sharded_out_dims(node):
+            if isinstance(sizes[d], int) and sizes[d] != -1:
+                sizes[d] = size
+        local.set_arg(node, index, sizes)
+    return localize
+
+
+def _map_view(node, p: Shard):
+    """Where a reshape puts the sharded dim: kept, split (the shard goes to the leading part)
+    or merged (the shard must be the leading dim of the merged group); None otherwise."""
+    src, dst = shape(node.args[0]), shape(node)
+    for gi, gj in view_groups(src, dst) or []:
+        if p.dim not in gi:
+            continue
+        real_in = [d for d in gi if not (isinstance(src[d], int) and src[d] == 1)]
+        real_out = [d for d in gj if not (isinstance(dst[d], int) and dst[d] == 1)]
+        if not real_out:
+            return None
+        if len(real_in) == 1 and len(real_out) == 1:
+            return Shard(real_out[0], p.layout)
+        if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
+            inner = math.prod(dst[d] for d in real_out[1:])
+            return Shard(real_out[0], split_layout(p.layout, dst[real_out[0]], inner))
+        if len(real_out) == 1 and real_in[0] == p.dim and all(
+                isinstance(src[d], int) for d in real_in[1:]):
+            return Shard(real_out[0], merge_layout(p.layout, math.prod(src[d] for d in real_in[1:])))
+        return None
+    return None
+
+
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+@register(*VIEWS, aten.transpose.int, aten.t.default, aten.permute.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+          aten.expand.default, aten.slice.Tensor, aten.select.int,
+          aten.repeat_interleave.self_int, aten.unflatten.int, aten.flatten.using_ints,
+          localize=lambda node, local: _localize_dim_op(node, local))
+def _dim_op(op):
+    """Ops that move, add, drop or regroup dims without mixing sharded data across them."""
+    x = op.node.args[0]
+    other = _passthrough_non_shard(op, x)
+    if other is not None:
+        return other
+    p = _shard_of(op, x)
+    mapped = (_map_view if op.node.target in VIEWS else _map_dim)(op.node, p)
+    if mapped is None:
+        op.require(x, Replicate())
+        return Replicate()
+    return mapped
+
+
+def _map_dim(node, p: Shard):
+    """Where the sharded dim of the input goes in the output, or None if it is cut up."""
+    t, args = node.target, node.args
+    n_in, n_out = len(shape(args[0])), len(shape(node))
+    d = p.dim
+    if t in (aten.transpose.int, aten.t.default):
+        a, b = (norm_dim(args[1], n_in), norm_dim(args[2], n_in)) if len(args) > 2 else (0, 1)
+        return Shard(b if d == a else a if d == b else d, p.layout)
+    if t is aten.permute.default:
+        return Shard([norm_dim(x, n_in) for x in args[1]].index(d), p.layout)
+    if t in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+             aten.expand.default):
+        # sizes > 1 keep their order; the sharded dim is the k-th of them on both sides
+        src = [i for i, s in enumerate(shape(args[0])) if not (isinstance(s, int) and s == 1)]
+        dst_shape = shape(node)
+        if t is aten.expand.default:
+            # new leading dims and broadcast size-1 dims do not move the sharded dim
+            return Shard(d + n_out - n_in, p.layout)
+        dst = [i for i, s in enumerate(dst_shape) if not (isinstance(s, int) and s == 1)]
+        return Shard(dst[src.index(d)], p.layout)
+    if t is aten.slice.Tensor:
+        dim = norm_dim(args[1] if len(args) > 1 else 0, n_in)
+        if dim != d:
+            return p
+        start = args[2] if len(args) > 2 else None
+        end = args[3] if len(args) > 3 else None
+        step = args[4] if len(args) > 4 else 1
+        full = (start in (None, 0)) and (end is None or (isinstance(end, int) and end >= p.layout.size))
+        return p if full and step == 1 else None
+    if t is aten.select.int:
+        dim = norm_dim(args[1], n_in)
+        return None if dim == d else Shard(d - (dim < d), p.layout)
+    if t is aten.repeat_interleave.self_int:
+        dim = norm_dim(args[2], n_in) if len(args) > 2 else None
+        if dim != d or not isinstance(args[1], int):
+            return p if dim is not None and dim != d else None
+        return Shard(d, Layout(p.layout.root, p.layout.size * args[1], p.layout.offset,
+                               p.layout.scale, p.layout.rep * args[1]))
+    if t is aten.unflatten.int:
+        dim, sizes = norm_dim(args[1], n_in), list(args[2])
+        if dim != d:
+            return Shard(d + (len(sizes) - 1) * (d > dim), p.layout)
+        if any(not isinstance(s, int) or s == -1 for s in sizes[1:]):
+            return None
+        inner = 1
+        for s in sizes[1:]:
+            inner *= s
+        return Shard(d, split_layout(p.layout, p.layout.size // inner, inner))
+    if t is aten.flatten.using_ints:  # start_dim and end_dim default to 0 and -1
+        a = norm_dim(args[1] if len(args) > 1 else 0, n_in)
+        b = norm_dim(args[2] if len(args) > 2 else -1, n_in)
+        if d < a or d > b:
+            return Shard(d - (b - a) * (d > b), p.layout)
+        if d != a or any(not isinstance(s, int) for s in shape(args[0])[a + 1:b + 1]):
+            return None
+        inner = 1
+        for s in shape(args[0])[a + 1:b + 1]:
+            inner *= s
+        return Shard(a, merge_layout(p.layout, inner))
+    return None
+
+
+def _localize_dim_op(node, local):
+    if node.target in VIEWS or node.target is aten.expand.default:
+        _local_shape_arg(1)(node, local)
+    elif node.target is aten.unflatten.int:
+        dims = local.sharded_out_dims(node)
+        if dims:
+            sizes = list(node.args[2])
+            sizes[0] = dims[0][1]
+            local.set_arg(node, 2, sizes)
+    elif node.target is aten.slice.Tensor and local.input_sharded_on(node, node.args[1]):
+        local.set_arg(node, 3, None if len(node.args) < 4 else 2**63 - 1)
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+          localize=lambda node, local: _localize_split(node, local))
+def _split(op):
+    x = op.node.args[0]
+    outs = val(op.node)
+    p = op.placement(x)
+    if not isinstance(p, Shard):
+        return [p] * len(outs)
+    n = len(shape(x))
+    dim = norm_dim(op.node.args[2] if len(op.node.args) > 2 else 0, n)
+    if dim != p.dim:
+        return [p] * len(outs)
+    chunks, start = [], 0
+    for o in outs:
+        size = int(o.shape[dim])
+        chunk = sub_layout(p.layout, start, start + size)
+        op.require_block(chunk)  # a fused qkv weight is sharded per chunk, not contiguously
+        chunks.append(Shard(dim, chunk))
+        start += size
+    return chunks
+
+
+def _localize_split(node, local):
+    dims = local.input_sharded_on(node, node.args[2] if len(node.args) > 2 else 0)
+    if not dims:
+        return
+    sizes = [local.local_size(pl) for pl in local.out_placements(node)]
+    local.replace_target(node, aten.split_with_sizes.default, (node.args[0], sizes) + tuple(node.args[2:]))
+
+
+@register(operator.getitem)
+def _getitem(op):
+    src, idx = op.node.args
+    p = op.placement(src)
+    return p[idx] if isinstance(p, (list, tuple)) else p
+
+
+@register(aten.cat.default)
+def _cat(op):
+    tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
+    n = len(shape(op.node))
+    dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
+    if any(isinstance(p, Shard) and p.dim == dim for p in map(op.placement, tensors)):
+        for t in tensors:  # concatenating along the sharded dim interleaves shards: gather
+            op.require(t, Replicate())
+        return Replicate()
+    operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in tensors]
+    return einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
+
+
+@register(aten._assert_tensor_metadata.default,
+          localize=lambda node, local: _localize_metadata_check(node, local))
+def _metadata_check(op):
+    """Export's dtype/device checks: no output, no need to gather what they look at."""
+    return None
+
+
+def _localize_metadata_check(node, local):
+    if isinstance(local.consumed(node.args[0], node), Shard):  # sizes are global: drop them
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "stride")}
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+               aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.clone.default,
+               aten.contiguous.default, aten.expand.default, aten._to_copy.default}
+
+
+def _from_inputs(node) -> bool:
+    """Indices that come from the caller (token ids), not computed in the model (positions)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SHAPE_ONLY:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder"
+
+
+def _contiguous(op, layout) -> bool:
+    return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
+
+
+@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local))
+def _embedding(op):
+    """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros)."""
+    w, ids = op.node.args[:2]
+    wanted = op.is_param(w) and (w.target in op.constraints.tied or (
+        op.options.vocab_parallel and _from_inputs(ids)))
+    layout = op.root_layout(w, 0) if wanted else None
+    if layout is not None and _contiguous(op, layout):
+        op.require(w, Shard(0, layout))
+        op.require(ids, Replicate())
+        return Partial()
+    return _replicate_all(op)
+
+
+def _localize_embedding(node, local):
+    p = local.consumed(node.args[0], node)
+    if isinstance(p, Shard):
+        (start, stop), = local.specs.ranges(p.layout)[local.rank]
+        pad = node.args[2] if len(node.args) > 2 else -1
+        local.replace_target(node, vocab_parallel_embedding,
+                             (node.args[0], node.args[1], start, stop, pad, p.layout.size))
+
+
+@register(aten.cross_entropy_loss.default,
+          localize=lambda node, local: _localize_cross_entropy(node, local))
+def _cross_entropy(op):
+    """Logits sharded by vocabulary: a vocabulary-parallel loss, the logits never gathered."""
+    x, target = op.node.args[:2]
+    args = list(op.node.args) + [None, 1, -100, 0.0][len(op.node.args) - 2:]
+    weight, label_smoothing = op.node.kwargs.get("weight", args[2]), op.node.kwargs.get(
+        "label_smoothing", args[5])
+    p = op.placement(x)
+    class_dim = 1 if len(shape(x)) >= 2 else 0
+    if (isinstance(p, Shard) and p.dim == class_dim and weight is None and not label_smoothing
+            and _contiguous(op, p.layout)):
+        op.require(target, Replicate())
+        return Replicate()
+    return _replicate_all(op)
+
+
+def _localize_cross_entropy(node, local):
+    x, target = node.args[:2]
+    p = local.consumed(x, node)
+    if not isinstance(p, Shard):
+        return
+    (start, stop), = local.specs.ranges(p.layout)[local.rank]
+    args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    reduction = node.kwargs.get("reduction", args[3])
+    ignore_index = node.kwargs.get("ignore_index", args[4])
+    node.kwargs = {}
+    local.replace_target(node, vocab_parallel_cross_entropy,
+                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group,
+                          p.layout.size))

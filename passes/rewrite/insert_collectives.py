@@ -1,0 +1,140 @@
+"""Insert the plan's conversions and gradient syncs into one rank's graph.
+
+* Each conversion ``(value, user) -> placement`` becomes the ops that produce it: an all-reduce
+  (Partial -> Replicate, Megatron *g*), an all-gather (Shard -> Replicate), or local slices
+  (Replicate -> Shard: no communication). Users that need the same value in the same placement
+  share one conversion, so a value feeding q, k and v is converted once.
+* Each replicated value whose gradient arrives as per-rank partial sums gets one
+  ``copy_to_region`` (Megatron *f*) in front of the consumers that make it partial; weights
+  with replicated blocks get ``sync_grad_pieces`` on those blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.runtime import collectives as C
+from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each, positions
+from tpcompile.core.shards import gather_args
+from tpcompile.core.plan import ShardingPlan
+
+aten = torch.ops.aten
+
+__all__ = ["insert_collectives_pass"]
+
+
+def _slices(g: fx.Graph, x: fx.Node, dim: int, pieces: list[tuple[int, int]], full: int):
+    """This rank's pieces of a local tensor, as a fresh tensor: a view would keep the whole
+    (replicated) tensor alive wherever the shard is saved for backward."""
+    if pieces == [(0, full)]:
+        return x
+    parts = [g.call_function(aten.slice.Tensor, (x, dim, s, e)) for s, e in pieces]
+    if len(parts) > 1:
+        return g.call_function(aten.cat.default, (parts, dim))
+    return g.call_function(aten.clone.default, (parts[0],))
+
+
+class _Converter:
+    def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
+        self.g, self.plan, self.rank, self.group = gm.graph, plan, rank, group
+        self.specs = plan.specs
+
+    def local_held(self, placement, full: int):
+        if isinstance(placement, Shard):
+            return self.specs.ranges(placement.layout)[self.rank]
+        return ((0, full),)
+
+    def convert(self, x: fx.Node, src, dst, sum_grads: bool = False) -> fx.Node:
+        g, ws = self.g, self.plan.world_size
+        if isinstance(src, Partial) and isinstance(dst, Shard):
+            width, index, mine, _ = gather_args(self.specs, dst.layout, self.rank, ws)
+            return g.call_function(C.reduce_scatter, (x, dst.dim, width, index, mine, ws, self.group))
+        if isinstance(src, Partial):
+            x = g.call_function(C.all_reduce, (x, self.group))
+            return g.call_function(C.copy_to_region, (x, self.group)) if sum_grads else x
+        if isinstance(dst, Replicate):
+            if isinstance(src, Shard):
+                args = gather_args(self.specs, src.layout, self.rank, ws)
+                gather = C.gather_into_region if sum_grads else C.all_gather
+                x = g.call_function(gather, (x, src.dim) + args + (ws, self.group))
+            return x
+        assert isinstance(dst, Shard), dst
+        if isinstance(src, Shard) and (src.dim != dst.dim or not self.specs.contains(src.layout, dst.layout)):
+            x = self.convert(x, src, Replicate(), sum_grads)  # re-shard: gathered, then sliced
+            src = Replicate()
+        held = self.local_held(src, dst.layout.size)
+        wanted = self.specs.ranges(dst.layout)[self.rank]
+        return _slices(g, x, dst.dim, positions(held, wanted), sum(e - s for s, e in held))
+
+
+def _is_partial_grad_edge(plan: ShardingPlan, consumed: dict, value: str, user: fx.Node) -> bool:
+    dst = consumed.get((value, user.name))
+    if isinstance(dst, Shard):
+        return True
+    p = plan.placement(user.name)
+    return dst is None and any(x is not None and not isinstance(x, Replicate) for x in each(p))
+
+
+def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
+    g = gm.graph
+    nodes = {n.name: n for n in g.nodes}
+    order = {n: i for i, n in enumerate(g.nodes)}
+    consumed = plan.converted
+    conv = _Converter(gm, plan, rank, group)
+
+    f_of = {}
+    for name in plan.grad_syncs:
+        value = nodes[name]
+        partial_users = [u for u in value.users if _is_partial_grad_edge(plan, consumed, name, u)]
+        with g.inserting_before(min(partial_users, key=order.__getitem__)):
+            f_of[name] = g.call_function(C.copy_to_region, (value, group))
+        for u in partial_users:
+            u.replace_input_with(value, f_of[name])
+
+    for p in plan.params.values():
+        if p.grad_sync and isinstance(p.placement, Shard):
+            w = next(n for n in g.nodes if n.op == "get_attr" and n.target == p.name)
+            pieces = _replicated_pieces(conv.specs, p.placement.layout, rank)
+            users = list(w.users)
+            with g.inserting_before(min(users, key=order.__getitem__)):
+                synced = g.call_function(C.sync_grad_pieces, (w, p.placement.dim, pieces, group))
+            for u in users:
+                u.replace_input_with(w, synced)
+
+    groups: dict = {}
+    for c in plan.conversions:
+        user, f = nodes[c.user], f_of.get(c.value)
+        source = f if f is not None and f in user.all_input_nodes else nodes[c.value]
+        groups.setdefault((source, _key(c.dst), c.sum_grads), []).append((c, user))
+    for (source, _, sum_grads), items in groups.items():
+        c = items[0][0]
+        with g.inserting_before(min((u for _, u in items), key=order.__getitem__)):
+            out = conv.convert(source, c.src, c.dst, sum_grads)
+        for _, user in items:
+            user.replace_input_with(source, out)
+    g.lint()
+    return gm
+
+
+def _key(p):
+    return ("S", p.dim, p.layout) if isinstance(p, Shard) else str(p)
+
+
+def _replicated_pieces(specs: Specs, layout, rank: int) -> list[tuple[int, int]]:
+    """Local positions of the indices every rank holds (their gradients are partial sums)."""
+    ranges = specs.ranges(layout)
+
+    def everywhere(i):
+        return all(any(s <= i < e for s, e in r) for r in ranges)
+
+    pieces, pos = [], 0
+    for s, e in ranges[rank]:
+        for i in range(s, e):
+            if everywhere(i):
+                if pieces and pieces[-1][1] == pos:
+                    pieces[-1] = (pieces[-1][0], pos + 1)
+                else:
+                    pieces.append((pos, pos + 1))
+            pos += 1
+    return pieces

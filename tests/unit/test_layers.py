@@ -1,0 +1,71 @@
+"""The package's layers: every import inside tpcompile goes down (or within its own layer).
+
+The order tells the pipeline's story: errors, then capture and the plan's data types (core),
+what rewritten graphs call at run time (runtime), the passes, ``parallelize`` (api), the
+features built on it (compile, inspect, state), and the tools on top. A module importing
+upwards would let stage 1 depend on stage 4; this test names the first such import.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import tpcompile
+import tpcompile.passes
+
+LAYERS = [
+    {"tpcompile.errors"},
+    {"tpcompile.core"},
+    {"tpcompile.runtime"},
+    {"tpcompile.passes"},
+    {"tpcompile.api"},
+    {"tpcompile.compile", "tpcompile.inspect", "tpcompile.state"},
+    {"tpcompile.tools"},
+]
+
+
+def layer_of(module: str) -> int | None:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def modules():
+    for root, prefix in [(Path(tpcompile.__file__).parent, "tpcompile"),
+                         (Path(tpcompile.passes.__file__).parent, "tpcompile.passes")]:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([prefix, *parts])
+            if name == "tpcompile" or (prefix == "tpcompile" and parts[:1] == ["passes"]):
+                continue  # the package root re-exports every layer; passes/ is walked separately
+            yield name, path
+
+
+def imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+
+
+@pytest.mark.parametrize("name,path", list(modules()), ids=lambda x: str(x).rsplit("/", 1)[-1])
+def test_imports_go_down(name, path):
+    mine = layer_of(name)
+    assert mine is not None, f"{name} belongs to no layer; add it to LAYERS"
+    for target, line in imports(path):
+        theirs = layer_of(target)
+        if target.startswith("tpcompile") and theirs is None and target != "tpcompile":
+            pytest.fail(f"{path.name}:{line} imports {target}, which belongs to no layer")
+        assert target != "tpcompile", f"{path.name}:{line} imports the package root"
+        if theirs is not None:
+            assert theirs <= mine, f"{path.name}:{line}: {name} (layer {mine}) imports {target} (layer {theirs})"
+
+
+def test_few_modules_at_the_top():
+    top = [p.name for p in Path(tpcompile.__file__).parent.glob("*.py")]
+    assert len(top) <= 12, top

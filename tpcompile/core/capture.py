@@ -1,0 +1,267 @@
+"""Capture: ``nn.Module`` -> ATen FX graph, with parameters named by their FQNs.
+
+tpcompile plans on the graph ``torch.export.export(strict=False)`` produces before any
+decomposition: ``aten.linear`` and ``aten.scaled_dot_product_attention`` are still whole, every
+node carries ``meta['val']`` (a FakeTensor, so shapes and dtypes are known without memory), and
+``ep.module()`` reads parameters through ``get_attr`` nodes whose targets are the FQNs users
+know. Export traces with fake tensors, so no real activation is ever computed here.
+
+What export would capture silently wrong (custom autograd Functions, Python attributes assigned
+in forward) is refused by :mod:`tpcompile.core.capture_checks`.
+
+Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths stay symbolic and
+the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
+
+Export runs without FX stack traces (``node.meta['stack_trace']``): recording one per node is a
+sixth of a large model's capture time (``bench/planning.py --breakdown``), and only error
+messages read them: the in-place write checks name the model line that writes. A graph with
+in-place ops is therefore captured a second time with stack traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.utils._pytree import tree_leaves
+
+from tpcompile.core.capture_checks import (
+    custom_function_calls, forward_state_guard, refuse_custom_functions,
+)
+from tpcompile.errors import CaptureError
+
+__all__ = ["Capture", "capture", "param_aliases"]
+
+
+@dataclass
+class Capture:
+    """The captured graph and what the passes need to know about its attributes."""
+
+    gm: fx.GraphModule
+    # get_attr target -> every FQN of the model that names the same tensor (tied weights)
+    aliases: dict[str, tuple[str, ...]]
+    # get_attr targets that are trainable parameters (the rest are buffers / constants)
+    params: frozenset[str]
+    input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    notes: tuple[str, ...] = ()  # what capture changed about the call (shown by the plan)
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(
+            f"example_inputs must be a tuple of tensors shaped like a real call, got "
+            f"{type(example_inputs).__name__}; wrap a single tensor as (x,)")
+    return tuple(example_inputs)
+
+
+def _concrete(x, device: torch.device):
+    """Meta example inputs are replaced by zeros (valid token ids too) on the model's device."""
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    return x
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _user_frame(err: BaseException) -> str:
+    """The model source line export blames, e.g. 'model.py:13: if x.sum() > 0:'."""
+    text = str(err)
+    m = re.search(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', text)
+    if m:
+        return f"{m.group(1)}:{m.group(2)}: {m.group(3).strip()}"
+    return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+
+
+def param_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """id(tensor) -> every FQN that names it, for parameters and buffers (ties included)."""
+    out: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(t), []).append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        out.setdefault(id(t), []).append(name)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _auto(x, static: tuple[int, ...]):
+    """Every dim of every tensor dynamic but ``static`` (export specialises what the model fixes)."""
+    if isinstance(x, torch.Tensor):
+        return {d: Dim.AUTO for d in range(x.dim()) if d not in static}
+    if isinstance(x, dict):
+        return {k: _auto(v, static) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_auto(v, static) for v in x)
+    return None
+
+
+@contextlib.contextmanager
+def _capture_settings(model: nn.Module, notes: list[str]):
+    """Settings a traced training/inference step needs, restored afterwards.
+
+    Hugging Face models return a KV cache object (``DynamicCache``) when ``config.use_cache``
+    is set; it is not a pytree export can return, and a tensor-parallel step has no use for it.
+    """
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+        notes.append("captured with config.use_cache=False: the module returns no KV cache")
+    try:
+        yield
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
+
+
+@contextlib.contextmanager
+def _stack_traces(record: bool):
+    saved = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = not record
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
+
+
+def _writes_in_place(gm: fx.GraphModule) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _named_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """forward's parameter names -> the example values bound to them (what export keys on)."""
+    return inspect.signature(model.forward).bind(*args, **kwargs).arguments
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: tuple[int, ...],
+            stack_traces: bool):
+    shapes = None
+    if dynamic:
+        shapes = {name: _auto(value, static)
+                  for name, value in _named_inputs(model, args, kwargs).items()}
+    with warnings.catch_warnings(), _stack_traces(stack_traces):
+        warnings.simplefilter("ignore")
+        return torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
+                                   strict=False)
+
+
+def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None,
+            dynamic: bool = True, static_dims: tuple[int, ...] = ()) -> Capture:
+    """Export ``model(*example_inputs, **example_kwargs)`` and unlift it into a GraphModule.
+
+    ``static_dims``: input dims kept at their example size (sequence parallelism cuts dim 1
+    into fixed shards).
+
+    Raises :class:`CaptureError` naming the model line export could not trace, with the fix.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    device = _model_device(model)
+    args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
+    kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
+    notes: list[str] = []
+    if dynamic:
+        notes += _specialised_sizes(model, args, kwargs, static_dims)
+    try:
+        with (_capture_settings(model, notes), forward_state_guard(model),
+              custom_function_calls() as applied):
+            ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=False)
+        refuse_custom_functions(applied)
+        if _writes_in_place(ep.graph_module):
+            with _capture_settings(model, []), forward_state_guard(model):
+                ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=True)
+    except CaptureError:
+        raise
+    except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
+        raise CaptureError(
+            f"cannot capture data-dependent control flow at {_user_frame(e)}\n"
+            "  hint: a Python `if` on a tensor's value cannot be traced; use torch.cond, "
+            "torch.where, or make the condition a constructor argument") from e
+    except Exception as e:  # noqa: BLE001 - every export failure becomes one actionable error
+        if dynamic:
+            try:
+                cap = capture(model, example_inputs, example_kwargs, dynamic=False)  # all static
+            except CaptureError:
+                pass
+            else:
+                return _noted(cap, f"captured with static shapes: export with dynamic batch and "
+                                   f"sequence sizes failed ({type(e).__name__}); the module "
+                                   "accepts only the example's sizes")
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__} at "
+            f"{_user_frame(e)}\n  hint: tpcompile captures with torch.export(strict=False); "
+            "make forward traceable (no data-dependent Python control flow, tensors in and out)"
+        ) from e
+    gm = ep.module()
+    aliases_by_id = param_aliases(model)
+    aliases, params = {}, set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        t = _fetch(gm, node.target)
+        if isinstance(t, torch.Tensor):
+            aliases[node.target] = aliases_by_id.get(id(t), (node.target,))
+            if isinstance(t, nn.Parameter) and t.requires_grad:
+                params.add(node.target)
+    specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor))
+    return _noted(Capture(gm, aliases, frozenset(params), specs), *notes)
+
+
+def _noted(cap: Capture, *notes: str) -> Capture:
+    """Record what capture changed about the call; those that limit the module also warn."""
+    for note in notes:
+        if "accepts only" in note:
+            warnings.warn(f"tpcompile: {note}", stacklevel=4)
+    return replace(cap, notes=cap.notes + notes)
+
+
+def _specialised_sizes(model: nn.Module, args: tuple, kwargs: dict, static: tuple[int, ...]):
+    """Batch and sequence dims of size 0 or 1 in the example: export fixes them to that size
+    (it specialises 0 and 1), so a later call with batch 2 would be refused."""
+    try:
+        bound = _named_inputs(model, args, kwargs)
+    except TypeError:  # export names the mismatch itself
+        return []
+    out = []
+    for name, value in bound.items():
+        for t in tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for d in range(min(t.dim(), 2)):
+                if d not in static and t.shape[d] in (0, 1):
+                    out.append(f"input {name} has size {t.shape[d]} at dim {d}: export fixes "
+                               f"it, so the module accepts only {t.shape[d]} there; give an "
+                               "example with size >= 2 to keep it dynamic")
+                    break
+    return out
+
+
+def _fetch(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_tensor(root: nn.Module, fqn: str, value) -> None:
+    """Put ``value`` (a Parameter or buffer) at ``fqn`` under ``root``, replacing the old one."""
+    owner, _, leaf = fqn.rpartition(".")
+    mod = root.get_submodule(owner) if owner else root
+    if isinstance(value, nn.Parameter):
+        mod._parameters[leaf] = value
+    elif leaf in mod._buffers:
+        mod._buffers[leaf] = value
+    else:
+        setattr(mod, leaf, value)

@@ -1,0 +1,133 @@
+"""Chains: the column -> row parallel regions of a plan, recovered from the graph.
+
+The plan records placements per node and a root (a column-parallel weight's output features)
+per shard layout, but not which roots work together: q, k and v of one attention are three
+roots that meet in SDPA and leave through one row-parallel ``wo``. Explaining a plan ("wq is
+colwise *because* it feeds wo") and mapping it to PyTorch's per-module styles both need those
+groups, so they are rebuilt here: roots that appear together in one node's inputs or output
+belong to one chain. This is an analysis of a finished plan; it changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from torch import fx
+
+from tpcompile.core.placement import Partial, Shard, each
+from tpcompile.core.plan import ShardingPlan
+from tpcompile.passes.planner.propagate import PARAM_MATMULS, SEQUENCE
+
+__all__ = ["Chain", "find_chains", "layer_of"]
+
+
+@dataclass(frozen=True)
+class Chain:
+    name: str                   # the modules' common path, e.g. "layers.0.attention"
+    layer: str                  # the repeated block it sits in, e.g. "layers.0" ("" if none)
+    colwise: tuple[str, ...]    # sharded parameters by style (aliases not repeated)
+    rowwise: tuple[str, ...]
+    replicated_blocks: tuple[str, ...]  # weights replicated inside the region (few KV heads)
+    entries: tuple[str, ...]    # replicated activations entering its column-parallel matmuls
+    exits: tuple[str, ...]      # its row-parallel matmuls (their outputs are partial sums)
+    nodes: frozenset[str]       # every node that reads or produces this chain's shards
+    synced: tuple[str, ...]     # replicated values used in it whose gradients are all-reduced
+
+    def describe(self) -> str:
+        """'wq, wk, wv -> wo'; 'wq (wk, wv replicated) -> wo' with replicated KV blocks."""
+        def short(names):
+            return ", ".join(n.removeprefix(self.name + ".").removesuffix(".weight")
+                             for n in names if not n.endswith(".bias"))
+        head = short(self.colwise)
+        if self.replicated_blocks:
+            head += f" ({short(self.replicated_blocks)} replicated)"
+        return f"{head} -> {short(self.rowwise)}" if self.rowwise else head
+
+
+def _roots(p) -> set[str]:
+    """The column-parallel roots a placement is cut from; sequence shards (SP) join no chain:
+    the residual stream between chains is cut by position, not by any weight."""
+    return {x.layout.root for x in each(p) if isinstance(x, Shard) and x.layout.root != SEQUENCE}
+
+
+def layer_of(path: str) -> str:
+    """'layers.3.attention.wq' -> 'layers.3': the path up to its first ModuleList index."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def _common_path(paths: list[str]) -> str:
+    split = [p.split(".") for p in paths]
+    common = os.path.commonprefix(split) if split else []
+    return ".".join(common)
+
+
+def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], dict[str, str]]:
+    """The plan's chains and, for every node in one, the chain's name.
+
+    ``gm`` is the planned graph before the rewrite passes (node names match the plan's).
+    """
+    consumed = plan.converted
+    parent: dict[str, str] = {}
+
+    def find(r: str) -> str:
+        while parent.setdefault(r, r) != r:
+            r = parent[r]
+        return r
+
+    node_roots: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        out = plan.placements.get(node.name)
+        roots = _roots(out)
+        for arg in node.all_input_nodes:
+            roots |= _roots(plan.placements.get(arg.name))
+            roots |= _roots(consumed.get((arg.name, node.name)))
+            if isinstance(out, Partial):  # partial sums carry their chain until reduced
+                roots |= node_roots.get(arg.name, set())
+        for r in roots:
+            parent[find(r)] = find(next(iter(roots)))
+        if roots:
+            node_roots[node.name] = roots
+
+    members: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.name in node_roots:
+            members.setdefault(find(next(iter(node_roots[node.name]))), []).append(node)
+    chains, chain_of = [], {}
+    for group in members.values():
+        chain = _build(group, plan)
+        taken = sum(1 for c in chains if c.name.split("#")[0] == chain.name)
+        if taken:  # two chains under one module: number them
+            chain = replace(chain, name=f"{chain.name}#{taken + 1}")
+        chains.append(chain)
+        chain_of.update((n.name, chain.name) for n in group)
+    return chains, chain_of
+
+
+def _build(nodes: list[fx.Node], plan: ShardingPlan) -> Chain:
+    by_style: dict[str, list[str]] = {"colwise": [], "rowwise": [], "replicate": []}
+    entries, exits = [], []
+    for node in nodes:
+        entry = plan.params.get(node.target) if node.op == "get_attr" else None
+        if entry is not None and isinstance(entry.placement, Shard):
+            fqn = entry.aliases[0]
+            by_style.setdefault(entry.style, []).append(fqn)
+            for user in node.users:
+                if entry.style == "rowwise" and user.name not in exits:
+                    exits.append(user.name)
+                is_weight = user.target in PARAM_MATMULS and user.args[1] is node
+                if entry.style == "colwise" and is_weight and user.args[0].name not in entries:
+                    entries.append(user.args[0].name)
+    params = by_style["colwise"] + by_style["rowwise"] + by_style["replicate"]
+    owners = [p.rpartition(".")[0] for p in params] or [nodes[0].name]
+    name = _common_path(owners) or owners[0]
+    members = frozenset(n.name for n in nodes)
+    synced = tuple(v.name for v in {a for n in nodes for a in n.all_input_nodes}
+                   if v.name in plan.grad_syncs)
+    return Chain(name, layer_of(name), tuple(by_style["colwise"]), tuple(by_style["rowwise"]),
+                 tuple(by_style["replicate"]), tuple(entries), tuple(exits), members,
+                 tuple(sorted(synced)))

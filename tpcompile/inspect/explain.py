@@ -1,0 +1,181 @@
+"""``tpcompile.explain``: what tpcompile would do to a model, before a GPU hour is spent on it.
+
+The report is plain data computed without a process group (and, for a model built on the meta
+device, without memory): per parameter the style, dim and global -> local shape and the chain
+that explains it; every collective with its phase, shape and bytes; per-rank parameter bytes;
+the ops that forced a fallback; the comparison with Megatron's lower bound; and the equivalent
+``parallelize_module`` plan where one exists. ``str(report)`` is for people, ``to_json()`` for
+programs (schema in the README, section "Inspecting a plan").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from torch import nn
+
+from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
+from tpcompile.core.placement import Shard
+from tpcompile.core.plan import PlanOptions
+from tpcompile.inspect.explain_text import render
+from tpcompile.inspect.trace import RewriteTrace, module_path, trace_rewrite
+from tpcompile.inspect.traffic import (
+    CollectiveEntry, LayerTraffic, dtype_name, list_collectives, megatron_comparison, nbytes,
+)
+
+__all__ = ["ParamEntry", "Report", "explain", "SCHEMA"]
+
+SCHEMA = "tpcompile.explain/1"
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter or buffer (tied weights: one entry per name, the same tensor)."""
+
+    style: str               # colwise | rowwise | replicate (| vocab once the planner has it)
+    dim: int | None          # the sharded dim; None when every rank holds all of it
+    global_shape: list
+    local_shape: list        # on the report's rank
+    local_shapes: list       # on every rank (uneven shards differ)
+    dtype: str
+    trainable: bool          # False for buffers
+    grad_sync: bool          # its gradient is all-reduced (replicated inside a sharded region)
+    chain: str               # the column -> row chain it belongs to; '' if none
+    reason: str              # the planner's reason for the style
+    aliases: list            # every FQN naming this tensor
+
+
+@dataclass(frozen=True)
+class Report:
+    model: str
+    world_size: int
+    rank: int
+    inputs: list             # [{"shape", "dtype"}] of the example inputs
+    params: dict             # FQN -> ParamEntry
+    chains: dict             # name -> {"layer", "colwise", "rowwise", "replicated_blocks", "summary"}
+    collectives: list        # [CollectiveEntry], graph order, forward and backward
+    param_bytes_per_rank: list
+    param_bytes_total: int   # the unsharded model's trainable parameters
+    fallbacks: list          # [{"node", "module", "reason"}]: gathered before an op without a rule
+    kept_replicated: list    # [{"node", "module", "reason"}]: matmuls the planner did not shard
+    megatron: list           # [LayerTraffic]
+    dtensor_plan: dict       # module -> "colwise" | "rowwise"
+    not_expressible: dict    # module -> why parallelize_module cannot do what tpcompile does
+
+    def collective_counts(self) -> dict[str, dict[str, int]]:
+        """Per phase, per op: the same shape of data as ``count_collectives``."""
+        counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for c in self.collectives:
+            counts[c.phase][c.op] = counts[c.phase].get(c.op, 0) + 1
+        return counts
+
+    def to_dtensor_plan(self, strict: bool = False) -> dict:
+        """The ``parallelize_module`` plan for the modules that have one.
+
+        Modules whose tpcompile layout PyTorch's styles cannot express are left out (they stay
+        replicated under that plan) and listed in ``not_expressible``; ``strict=True`` raises a
+        :class:`~tpcompile.TPCompileError` instead.
+        """
+        return to_parallel_styles(self.dtensor_plan, self.not_expressible, strict)
+
+    def to_json(self) -> str:
+        obj = asdict(self)
+        obj["dtensor"] = {"plan": obj.pop("dtensor_plan"),
+                          "not_expressible": obj.pop("not_expressible")}
+        return json.dumps({"schema": SCHEMA, **obj}, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Report":
+        obj = json.loads(text)
+        if obj.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} report (schema {obj.get('schema')!r})")
+        del obj["schema"]
+        dtensor = obj.pop("dtensor")
+        return Report(
+            **{**obj, "params": {k: ParamEntry(**v) for k, v in obj["params"].items()},
+               "collectives": [CollectiveEntry(**c) for c in obj["collectives"]],
+               "megatron": [LayerTraffic(**m) for m in obj["megatron"]]},
+            dtensor_plan=dtensor["plan"], not_expressible=dtensor["not_expressible"])
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def _dtypes(trace: RewriteTrace) -> dict:
+    return {n.target: n.meta["val"].dtype for n in trace.gm.graph.nodes if n.op == "get_attr"}
+
+
+def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
+    plan, rank, dtypes = trace.plan, trace.rank, _dtypes(trace)
+    out = {}
+    for name, p in sorted(plan.params.items()):
+        sharded = isinstance(p.placement, Shard) and p.style != "replicate"
+        out[name] = ParamEntry(
+            style=p.style, dim=p.placement.dim if sharded else None,
+            global_shape=list(p.global_shape), local_shape=list(p.local_shapes[rank]),
+            local_shapes=[list(s) for s in p.local_shapes], dtype=dtype_name(dtypes[name]),
+            trainable=name in trace.cap.params, grad_sync=p.grad_sync,
+            chain=trace.chain_of.get(_node_name(trace, name), ""), reason=p.reason,
+            aliases=list(p.aliases))
+    return out
+
+
+def _node_name(trace: RewriteTrace, target: str) -> str:
+    for node in trace.gm.graph.find_nodes(op="get_attr", target=target):
+        return node.name
+    return ""
+
+
+def _param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
+    """Per-rank and unsharded bytes of the trainable parameters, each tensor counted once."""
+    seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
+    dtypes = _dtypes(trace)
+    for name, p in trace.plan.params.items():
+        if name not in trace.cap.params or p.aliases in seen:
+            continue
+        seen.add(p.aliases)
+        total += nbytes(list(p.global_shape), dtypes[name])
+        for r, shape in enumerate(p.local_shapes):
+            per_rank[r] += nbytes(list(shape), dtypes[name])
+    return per_rank, total
+
+
+def _located(trace: RewriteTrace, reasons: dict[str, str]) -> list[dict]:
+    nodes = {n.name: n for n in trace.gm.graph.nodes}
+    return [{"node": name, "module": module_path(nodes[name]) if name in nodes else "",
+             "reason": why} for name, why in sorted(reasons.items())]
+
+
+def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
+            progress: Callable[[str], None] | None = None, dynamic: bool = True,
+            example_kwargs: dict | None = None, **options) -> Report:
+    """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
+
+    Needs no process group and no GPU; build the model under ``torch.device("meta")`` to plan
+    a large model without allocating its weights. ``rank`` picks whose local shapes are shown
+    (they differ only for uneven shards); ``progress`` receives a line per step.
+    ``example_kwargs`` and ``options`` (``vocab_parallel``, ``loss_parallel``,
+    ``sequence_parallel``) are ``parallelize``'s: the report is of the plan that call makes.
+    ``dynamic=False`` captures at the example's sizes only: the same plan, 2.5x faster to
+    capture a large model (the rewritten code then shows those sizes as constants).
+    """
+    trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
+                          progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
+                          options=PlanOptions(**options))
+    collectives = list_collectives(trace)
+    per_rank, total = _param_bytes(trace)
+    styles, missing = dtensor_styles(trace, model)
+    return Report(
+        model=trace.model_name, world_size=world_size, rank=rank,
+        inputs=[{"shape": list(s), "dtype": dtype_name(d)} for s, d in trace.cap.input_specs],
+        params=_params(trace),
+        chains={c.name: {"layer": c.layer, "colwise": list(c.colwise), "rowwise": list(c.rowwise),
+                         "replicated_blocks": list(c.replicated_blocks), "summary": c.describe()}
+                for c in trace.chains},
+        collectives=collectives, param_bytes_per_rank=per_rank, param_bytes_total=total,
+        fallbacks=_located(trace, trace.plan.fallbacks),
+        kept_replicated=_located(trace, trace.plan.replicated),
+        megatron=megatron_comparison(trace, collectives),
+        dtensor_plan=styles, not_expressible=missing)

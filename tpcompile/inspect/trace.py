@@ -1,0 +1,119 @@
+"""One rank's rewrite taken step by step: what ``explain`` and ``diff`` both read.
+
+Inspection runs the pipeline ``parallelize`` runs (:mod:`tpcompile.passes.pipeline`) and keeps
+what it needs of each step: the graph as each pass leaves it (for ``diff``), the shape constants a rank gets
+instead of the model's (for the DTensor comparison), and progress lines while a large model
+is traced. Nothing here needs a process group: collectives are inserted into the graph, never
+run, so a laptop can inspect a 64-rank plan of a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from tpcompile.core.capture import Capture
+from tpcompile.inspect.chains import Chain, find_chains
+from tpcompile.errors import TPCompileError
+from tpcompile.passes import pipeline
+from tpcompile.core.plan import PlanOptions, ShardingPlan
+
+__all__ = ["RewriteTrace", "trace_rewrite", "concrete_shape", "module_path", "source_node"]
+
+
+@dataclass
+class RewriteTrace:
+    model_name: str
+    cap: Capture
+    plan: ShardingPlan
+    gm: fx.GraphModule               # the rank's rewritten graph; nodes keep the capture's meta
+    rank: int
+    stages: list[tuple[str, str]]    # ("capture", rendering), then (pass name, rendering after it)
+    # node -> (constants before, after) where the rank's graph differs from the model's
+    relocalized: dict[str, tuple[list, list]]
+    chains: list[Chain]              # found on the planned graph, before the rewrite
+    chain_of: dict[str, str]         # node name -> its chain's name
+
+
+def _literals(node: fx.Node) -> list:
+    """The non-Node leaves of a node's arguments: the constants a pass may rewrite."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [x for x in leaves if not isinstance(x, fx.Node)]
+
+
+def _tell(progress: Callable[[str], None] | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int = 0, *,
+                  example_kwargs: dict | None = None, options: PlanOptions = PlanOptions(),
+                  render: Callable[[fx.GraphModule], str] | None = None,
+                  copy_weights: bool = True, group_name: str = "tp",
+                  progress: Callable[[str], None] | None = None,
+                  dynamic: bool = True) -> RewriteTrace:
+    """Capture, plan for ``world_size`` ranks and rewrite rank ``rank``'s graph.
+
+    ``example_kwargs`` and ``options`` are ``parallelize``'s (vocabulary, loss and sequence
+    parallelism), so the trace is what that call would run. ``render``: a ``gm -> str``
+    snapshot taken after capture and after every pass (the diff's input); None keeps none. ``copy_weights=False`` skips ``materialize_params``: the
+    report needs the graph, not a copy of every weight of a real 7B model. ``dynamic=False``
+    captures with static shapes (see :func:`tpcompile.core.capture.capture`).
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise TPCompileError(f"need world_size >= 1 and 0 <= rank < world_size, got world_size "
+                             f"{world_size}, rank {rank}\n  hint: ranks are numbered from 0")
+    name = type(model).__name__
+    n_params = sum(p.numel() for p in model.parameters())
+    _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
+    planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options,
+                            dynamic=dynamic, record=render or False,
+                            progress=progress or (lambda message: None))
+    cap, plan = planned.cap, planned.plan
+    chains, chain_of = find_chains(cap.gm, plan)
+    before = {n.name: _literals(n) for n in cap.gm.graph.nodes if n.op == "call_function"}
+    _tell(progress, f"rewriting the graph of rank {rank}")
+    gm, records = pipeline.rewrite(planned, rank, group_name, record=render or False,
+                                   skip=() if copy_weights else ("materialize_params",))
+    stages = [("capture", planned.records[0].before)] if render else []
+    stages += [(r.name, r.after) for r in list(planned.records) + records]
+    relocalized = {}
+    for node in gm.graph.nodes:
+        if node.name in before and _literals(node) != before[node.name]:
+            relocalized[node.name] = (before[node.name], _literals(node))
+    return RewriteTrace(name, cap, plan, gm, rank, stages, relocalized, chains, chain_of)
+
+
+def concrete_shape(value) -> list:
+    """A tensor's shape with symbolic sizes replaced by the example inputs' sizes."""
+    out = []
+    for s in value.shape:
+        if isinstance(s, torch.SymInt):
+            hint = s.node.hint
+            s = int(hint) if hint is not None else str(s)
+        out.append(int(s) if isinstance(s, int) else s)
+    return out
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node was traced in ('layers.0.attention.wo'), '' for the top level."""
+    if node.op == "get_attr":
+        return node.target.rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        return path if not path.startswith("_empty_nn_module_stack") else ""
+    return ""
+
+
+def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
+    """The captured node behind a node a pass inserted (a collective's input chain)."""
+    while node.name not in known and node.op == "call_function" and node.args:
+        first = node.args[0]
+        if not isinstance(first, fx.Node):
+            break
+        node = first
+    return node

@@ -1,0 +1,140 @@
+"""What a rewritten graph sends over the wire, and how that compares with Megatron's minimum.
+
+Collectives are read from the rank's rewritten graph itself (the calls
+:func:`~tpcompile.runtime.collectives.count_collectives` counts), so the list is exactly what runs,
+conversions shared by several consumers counted once. Sizes come from the captured graph's
+``meta['val']`` at the example inputs' sizes.
+
+``bytes`` is the size of the whole tensor a collective reduces or assembles (what nccl-tests
+calls the message size); a ring all-reduce moves about 2(N-1)/N of it per rank.
+
+Megatron's lower bound for a column -> row chain is one all-reduce forward (of the row-parallel
+matmul's output) and one backward (of the activation entering the column-parallel matmuls):
+2 + 2 per transformer layer, 1 + 1 per MLP block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import fx
+
+from tpcompile.inspect.chains import layer_of
+from tpcompile.runtime.collectives import COLLECTIVE_FNS, sync_grad_pieces
+from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
+
+__all__ = ["CollectiveEntry", "LayerTraffic", "list_collectives", "megatron_comparison", "nbytes",
+           "dtype_name"]
+
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    op: str                  # all_reduce | all_gather | reduce_scatter
+    phase: str               # forward | backward
+    shape: list              # the whole tensor's shape at the example inputs' sizes
+    dtype: str
+    bytes: int | None        # None when a size is symbolic without an example value
+    node: str                # the captured value it converts: it runs right after this node
+    module: str              # that node's module ('' for the top level)
+    inserted_as: str         # the call's name in the rewritten graph (what `diff` shows)
+    layer: str = ""          # the repeated block it serves ('' outside any), see _layers
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """One layer's collectives per training step against Megatron's lower bound."""
+
+    layer: str               # 'layers.3'; '' for code outside any repeated block
+    chains: list
+    bound_forward: int
+    bound_backward: int
+    bound_bytes: int
+    forward: int
+    backward: int
+    bytes: int
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def nbytes(shape: list, dtype) -> int | None:
+    if not all(isinstance(s, int) for s in shape):
+        return None
+    return math.prod(shape) * dtype.itemsize
+
+
+def _message_shape(call: fx.Node, value) -> list:
+    shape = concrete_shape(value)
+    if call.target is sync_grad_pieces:  # only the replicated pieces' gradients are summed
+        dim, pieces = call.args[1], call.args[2]
+        shape[dim] = sum(e - s for s, e in pieces)
+    return shape
+
+
+def _layers(trace: RewriteTrace) -> dict[str, str]:
+    """The layer each collective serves, keyed by the captured value it converts.
+
+    A value's own module can sit in the block before: the activation entering layer 3's chains
+    is made by layer 2's last norm (BERT), or by the embedding for layer 0. So a chain's entries
+    and exits belong to the chain's layer, then values inside a chain; others go by module.
+    """
+    layers = {name: c.layer for c in trace.chains for name in c.entries + c.exits}
+    layer_of_chain = {c.name: c.layer for c in trace.chains}
+    for name, chain in trace.chain_of.items():
+        layers.setdefault(name, layer_of_chain[chain])
+    return layers
+
+
+def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
+    """Every collective the rank's graph issues per forward and per backward, in graph order."""
+    out, layers = [], _layers(trace)
+    for call in trace.gm.graph.nodes:
+        if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
+            continue
+        src = source_node(call.args[0], trace.plan.placements)
+        value = src.meta["val"]
+        shape = _message_shape(call, value)
+        for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):
+            for op in kinds:
+                module = module_path(src)
+                out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
+                                           nbytes(shape, value.dtype), src.name, module,
+                                           call.name, layers.get(src.name, layer_of(module))))
+    return out
+
+
+def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry]) -> list[LayerTraffic]:
+    """Per layer: Megatron's minimum for its chains next to what tpcompile inserted."""
+    nodes = {n.name: n for n in trace.gm.graph.nodes}
+    rows: dict[str, dict] = {}
+
+    def row(layer: str) -> dict:
+        return rows.setdefault(layer, dict(layer=layer, chains=[], bound_forward=0,
+                                           bound_backward=0, bound_bytes=0, forward=0,
+                                           backward=0, bytes=0))
+
+    for chain in trace.chains:
+        if not chain.rowwise:
+            continue
+        r = row(chain.layer)
+        r["chains"].append(chain.name)
+        for phase, names in (("forward", chain.exits), ("backward", chain.entries)):
+            for name in names:
+                value = nodes[name].meta["val"]
+                r[f"bound_{phase}"] += 1
+                r["bound_bytes"] += nbytes(concrete_shape(value), value.dtype) or 0
+    for c in collectives:
+        r = row(c.layer)
+        r[c.phase] += 1
+        r["bytes"] += c.bytes or 0
+    return [LayerTraffic(**rows[k]) for k in sorted(rows, key=_layer_order)]
+
+
+def _layer_order(layer: str):
+    """'layers.2' before 'layers.10'; code outside layers last."""
+    head, _, index = layer.rpartition(".")
+    return (layer == "", head, int(index) if index.isdigit() else 0, layer)

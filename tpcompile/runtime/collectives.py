@@ -1,0 +1,259 @@
+"""The collectives a rewritten graph calls: Megatron's conjugate operator pairs.
+
+Each is a ``torch.autograd.Function`` around ``torch.ops._c10d_functional`` ops, so it runs
+eagerly on any ``torch.distributed`` backend and traces into inductor under ``torch.compile``
+(``fullgraph=True``) as plain functional collectives.
+
+The backward of each is chosen for tensor parallelism's gradient convention, not as the
+mathematical adjoint: a replicated value's gradient is *whole* on every rank (every rank
+computes the same replicated loss). Hence ``all_reduce``'s backward is the identity (Megatron
+*g*) and ``copy_to_region``'s backward is an all-reduce (Megatron *f*); plain
+``funcol.all_reduce`` would all-reduce both ways and multiply gradients by the world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpcompile.errors import CollectiveError
+from tpcompile.runtime.timeouts import collective_failure
+
+__all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
+           "reduce_scatter",
+           "COLLECTIVE_FNS", "count_collectives"]
+
+_c10d = torch.ops._c10d_functional
+
+
+def _waited(what: str, group: str, launch) -> torch.Tensor:
+    """Launch one functional collective and wait for it; a backend failure (a rank that exited
+    or timed out) becomes a :class:`CollectiveError` naming the collective and the cause."""
+    if torch.compiler.is_compiling():  # traced into the graph: failures surface at run time
+        return _c10d.wait_tensor(launch())
+    try:
+        return _c10d.wait_tensor(launch())
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        raise collective_failure(what, group, e) from e
+
+
+def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    return _waited("all_reduce", group, lambda: _c10d.all_reduce(x.contiguous(), op, group))
+
+
+class _AllReduce(torch.autograd.Function):
+    """g: forward sums the ranks' partial results; backward passes the whole gradient through."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: forward identity into a sharded region; backward sums the ranks' partial gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _SyncGradPieces(torch.autograd.Function):
+    """f for a weight with replicated blocks: only those rows' gradients are partial sums."""
+
+    @staticmethod
+    def forward(ctx, w, dim, pieces, group):
+        ctx.dim, ctx.pieces, ctx.group = dim, pieces, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [grad.narrow(ctx.dim, s, e - s) for s, e in ctx.pieces]
+        summed = _all_reduce(torch.cat(parts, ctx.dim), ctx.group)
+        out, pos, offset = [], 0, 0
+        for (s, e), n in zip(ctx.pieces, [e - s for s, e in ctx.pieces]):
+            out += [grad.narrow(ctx.dim, pos, s - pos), summed.narrow(ctx.dim, offset, n)]
+            pos, offset = e, offset + n
+        out.append(grad.narrow(ctx.dim, pos, grad.shape[ctx.dim] - pos))
+        return torch.cat(out, ctx.dim), None, None, None
+
+
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Partial -> Replicate (Megatron g)."""
+    return _AllReduce.apply(x, group)
+
+
+def copy_to_region(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Replicate value entering a sharded region (Megatron f)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def sync_grad_pieces(w: torch.Tensor, dim: int, pieces: list, group: str) -> torch.Tensor:
+    """A weight whose ``pieces`` along ``dim`` are replicated on every rank inside a region."""
+    return _SyncGradPieces.apply(w, dim, pieces, group)
+
+
+def _gather(x: torch.Tensor, dim: int, width: int, index, group_size: int, group: str):
+    """All-gather shards along ``dim`` (zero-padded to ``width``) and put them in global order."""
+    moved = x.movedim(dim, 0)
+    if moved.shape[0] < width:
+        pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad])
+    out = _waited("all_gather", group,
+                  lambda: _c10d.all_gather_into_tensor(moved.contiguous(), group_size, group))
+    if index is not None:
+        out = out.index_select(0, torch.tensor(index, device=out.device))
+    return out.movedim(0, dim)
+
+
+def _take(x: torch.Tensor, dim: int, ranges) -> torch.Tensor:
+    """The given global ranges of ``dim``, concatenated."""
+    parts = [x.narrow(dim, s, e - s) for s, e in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _own_slice(grad: torch.Tensor, dim: int, mine, keep) -> torch.Tensor:
+    """This rank's ``mine`` ranges of a whole gradient; where ranks overlap only one keeps it."""
+    local = _take(grad, dim, mine)
+    if keep is not None:
+        shape = [1] * local.dim()
+        shape[dim] = -1
+        local = local * torch.tensor(keep, device=grad.device, dtype=grad.dtype).view(shape)
+    return local
+
+
+class _Gather(torch.autograd.Function):
+    """Shard -> Replicate. Backward keeps this rank's slice of the whole gradient; when the
+    result feeds a sharded region (``sum_grads``) the gradient is a per-rank partial sum, so it
+    is summed first (a reduce-scatter: Megatron-SP's all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, keep, group_size, group, sum_grads):
+        ctx.dim, ctx.mine, ctx.keep, ctx.group, ctx.sum_grads = dim, mine, keep, group, sum_grads
+        return _gather(x, dim, width, index, group_size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sum_grads:
+            grad = _all_reduce(grad, ctx.group)
+        return (_own_slice(grad, ctx.dim, ctx.mine, ctx.keep),) + (None,) * 8
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Partial -> Shard; backward all-gathers the shards' gradients (the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, group_size, group):
+        ctx.args = (dim, width, index, group_size, group)
+        if index is None:  # even, contiguous shards: a real reduce-scatter (half the bytes)
+            moved = x.movedim(dim, 0).contiguous()
+            out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", group_size, group))
+            return out.movedim(0, dim)
+        # a fresh tensor, not a view: a view would keep the whole sum alive when saved
+        return _take(_all_reduce(x, group), dim, mine).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, *ctx.args), None, None, None, None, None, None
+
+
+def all_gather(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
+               group: str) -> torch.Tensor:
+    """Shard -> Replicate along ``dim``.
+
+    ``width``: the largest local size (shards are zero-padded to it for the collective).
+    ``index``: global position -> position in the rank-major gathered buffer; None when the
+    shards are even, contiguous and disjoint. ``mine``: this rank's global ranges (its
+    backward slice). ``keep``: 0/1 per local position, so that an index held by several ranks
+    gets its gradient once; None when no index is shared.
+    """
+    return _Gather.apply(x, dim, width, index, mine, keep, group_size, group, False)
+
+
+def gather_into_region(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
+                       group: str) -> torch.Tensor:
+    """:func:`all_gather` whose result feeds a sharded region (gradients summed on the way back)."""
+    return _Gather.apply(x, dim, width, index, mine, keep, group_size, group, True)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_size: int,
+                   group: str) -> torch.Tensor:
+    """Partial -> Shard along ``dim`` (arguments as for :func:`all_gather`)."""
+    return _ReduceScatter.apply(x, dim, width, index, mine, group_size, group)
+
+
+# what each inserted call costs: (forward collectives, backward collectives); modules with
+# other communicating ops (tpcompile.runtime.vocab) register theirs here too
+COLLECTIVE_FNS = {
+    all_reduce: (("all_reduce",), ()),
+    copy_to_region: ((), ("all_reduce",)),
+    sync_grad_pieces: ((), ("all_reduce",)),
+    all_gather: (("all_gather",), ()),
+    gather_into_region: (("all_gather",), ("reduce_scatter",)),
+    reduce_scatter: (("reduce_scatter",), ("all_gather",)),
+}
+
+
+def count_collectives(gm) -> dict[str, dict[str, int]]:
+    """Collectives one forward and one backward of a rewritten graph issue, by kind."""
+    counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVE_FNS:
+            for phase, kinds in zip(("forward", "backward"), COLLECTIVE_FNS[node.target]):
+                for kind in kinds:
+                    counts[phase][kind] = counts[phase].get(kind, 0) + 1
+    return counts
+
+
+class _GatheredLinears(torch.autograd.Function):
+    """Megatron-SP's column-parallel input: gather sequence shards, apply several linears,
+    and save only the shard for backward (the gather is redone there), so the replicated
+    input never sits in activation memory. Backward: dx is reduce-scattered back to shards."""
+
+    @staticmethod
+    def forward(ctx, x, dim, width, index, mine, keep, group_size, group, *weights_and_biases):
+        full = _gather(x, dim, width, index, group_size, group)
+        pairs = list(zip(weights_and_biases[0::2], weights_and_biases[1::2]))
+        ctx.args = (dim, width, index, mine, keep, group_size, group)
+        ctx.has_bias = [b is not None for _, b in pairs]
+        ctx.save_for_backward(x, *[w for w, _ in pairs])
+        # the bias out of place: linear(x, w, b) returns a view, and a view returned by a
+        # Function may not be written in place (ReLU(inplace=True) on it would be refused)
+        return tuple(_linear(full, w, b) for w, b in pairs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, width, index, mine, keep, group_size, group = ctx.args
+        x, *weights = ctx.saved_tensors
+        full = _gather(x, dim, width, index, group_size, group)
+        flat = full.reshape(-1, full.shape[-1])
+        dx, out = None, []
+        for w, g, has_bias in zip(weights, grads, ctx.has_bias):
+            g2 = g.reshape(-1, g.shape[-1])
+            dx = g @ w if dx is None else dx + g @ w
+            out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        local = _own_slice(_all_reduce(dx, group), dim, mine, keep)
+        return (local, None, None, None, None, None, None, None, *out)
+
+
+def _linear(x, w, b):
+    y = torch.nn.functional.linear(x, w)
+    return y if b is None else y + b
+
+
+def gathered_linears(x, dim, width, index, mine, keep, group_size, group, *weights_and_biases):
+    """``[linear(all_gather(x), w, b) for w, b]`` saving only ``x`` (see _GatheredLinears)."""
+    return _GatheredLinears.apply(x, dim, width, index, mine, keep, group_size, group,
+                                  *weights_and_biases)
+
+
+COLLECTIVE_FNS[gathered_linears] = (("all_gather",), ("all_gather", "reduce_scatter"))

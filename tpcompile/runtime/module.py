@@ -1,0 +1,128 @@
+"""The module ``parallelize`` returns: the rewritten graph, its local shards, and its plan.
+
+``TPModule`` registers the rewritten GraphModule's submodules as its own, so parameter and
+buffer names (``state_dict`` keys, optimizer param groups) are exactly the original model's,
+while ``forward`` runs the rewritten graph. Local shards are ordinary ``nn.Parameter`` objects:
+any ``torch.optim`` optimizer works on them, and ``torch.compile`` traces straight through.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from tpcompile.errors import TPCompileError
+from tpcompile.runtime.inputs import InputSpec
+from tpcompile.core.placement import Shard
+from tpcompile.core.plan import ShardingPlan
+
+__all__ = ["TPModule", "gather_full"]
+
+
+class TPModule(nn.Module):
+    """A tensor-parallel module: this rank's shards plus the graph that uses them."""
+
+    def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group):
+        super().__init__()
+        for name, child in gm.named_children():
+            self.add_module(name, child)
+        for name, p in gm.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in gm.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in gm._non_persistent_buffers_set)
+        object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
+        self.plan, self.rank, self.group = plan, rank, group
+        object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
+
+    def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            self.input_spec.check(args, kwargs)  # an InputError, not a failure deep inside
+        return self.graph_module(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        """``to`` / ``to_empty`` / ``float`` may replace top-level tensors: the graph reads them too."""
+        super()._apply(fn, recurse)
+        self.graph_module._parameters.update(self._parameters)
+        self.graph_module._buffers.update(self._buffers)
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, for this rank's shards (a round trip of ``state_dict()`` at this world size).
+
+        A full, unsharded state dict (``model.state_dict()``) is refused by name instead of with
+        torch's size-mismatch error, pointing at the call that slices it.
+        """
+        whole = [name for name, value in state_dict.items() if self._is_unsharded(name, value)]
+        if whole:
+            raise TPCompileError(
+                f"load_state_dict got the unsharded {whole[0]} ({list(state_dict[whole[0]].shape)}"
+                f"; this rank's shard is {list(self.state_dict()[whole[0]].shape)}), "
+                f"{len(whole)} such tensor(s) in all\n  hint: load a full state dict with "
+                "tpcompile.load_full_state_dict(tp, state_dict), which copies this rank's slices")
+        return super().load_state_dict(state_dict, strict, assign)
+
+    def _is_unsharded(self, fqn: str, value) -> bool:
+        """``value`` has the global shape of a tensor whose shard here is smaller."""
+        entry = self.plan.by_fqn.get(fqn)
+        return (entry is not None and tuple(getattr(value, "shape", ())) == entry.global_shape
+                != entry.local_shapes[self.rank])
+
+    def full_state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The unsharded state dict, gathered from every rank (a collective: call on all).
+
+        ``rank=k`` (a rank of the group): only rank k receives it, the others get ``{}``.
+        """
+        out = {}
+        for name, t in self.state_dict().items():
+            full = gather_full(t, self._placement(name), self.plan, self.group, dst=rank)
+            if full is not None:
+                out[name] = full
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients of every parameter (a collective: call on all ranks)."""
+        return {name: gather_full(p.grad, self._placement(name), self.plan, self.group)
+                for name, p in self.named_parameters() if p.grad is not None}
+
+    def _placement(self, fqn: str):
+        entry = self.plan.by_fqn.get(fqn)
+        return None if entry is None else entry.placement
+
+
+def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group,
+                dst: int | None = None) -> torch.Tensor | None:
+    """Reassemble a full tensor from every rank's shard (identity for replicated tensors).
+
+    With ``dst`` (a rank of ``group``) only that rank receives it; the others get None.
+    """
+    if dst is not None and dist.get_rank(group) != dst:
+        if isinstance(placement, Shard):
+            dist.gather(_padded(local, placement, plan), None, group=group, group_dst=dst)
+        return None
+    if not isinstance(placement, Shard):
+        return local.detach().clone()
+    ranges = plan.specs.ranges(placement.layout)
+    moved = _padded(local, placement, plan)
+    parts = [torch.empty_like(moved) for _ in ranges]
+    if dst is None:
+        dist.all_gather(parts, moved, group=group)
+    else:
+        dist.gather(moved, parts, group=group, group_dst=dst)
+    full = moved.new_empty((placement.layout.size,) + tuple(moved.shape[1:]))
+    for part, held in zip(parts, ranges):
+        pos = 0
+        for s, e in held:
+            full[s:e] = part[pos:pos + e - s]
+            pos += e - s
+    return full.movedim(0, placement.dim)
+
+
+def _padded(local: torch.Tensor, placement: Shard, plan: ShardingPlan) -> torch.Tensor:
+    """The shard with its dim first, zero-padded to the largest shard (collectives need one size)."""
+    width = max(sum(e - s for s, e in r) for r in plan.specs.ranges(placement.layout))
+    moved = local.detach().movedim(placement.dim, 0).contiguous()
+    if moved.shape[0] < width:
+        pad = moved.new_zeros((width - moved.shape[0],) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad])
+    return moved

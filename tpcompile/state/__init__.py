@@ -1,0 +1,1 @@
+"""State: shards of parameters, full state dicts in and out, meta-device builds, DCP, optimizers."""

@@ -1,0 +1,120 @@
+"""Numerical check of a tensor-parallel module against the unsharded model it came from.
+
+Used by ``tpcompile demo`` and the test suite. Call it on every rank (it gathers shards).
+Errors are relative: ``max|sharded - reference| / max|reference|`` per tensor, except that a
+gradient is never measured against less than 1e-3 of the model's largest gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from tpcompile.runtime.collectives import count_collectives
+
+__all__ = ["Comparison", "compare", "rel_err", "saved_activation_bytes"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``max|a - b| / max(max|b|, floor)``."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = max(b.abs().max().item() if b.numel() else 0.0, floor)
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _first(out) -> torch.Tensor:
+    """The first floating tensor of a model's output (tuples, dicts, HF ModelOutputs)."""
+    return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _loss(out) -> torch.Tensor:
+    """A fixed random projection of the output: every output element gets its own, non-zero
+    gradient. (A sum of squares is degenerate after a LayerNorm, whose outputs have a fixed
+    norm: its gradient would be pure rounding noise.)"""
+    y = _first(out).float()
+    probe = torch.randn(y.shape, generator=torch.Generator().manual_seed(1234))
+    return (y * probe.to(y.device)).sum()
+
+
+@dataclass
+class Comparison:
+    output_err: float
+    grad_errs: dict[str, float]
+    step_errs: dict[str, float] = field(default_factory=dict)
+    collectives: dict = field(default_factory=dict)
+
+    @property
+    def max_grad_err(self) -> float:
+        return max(self.grad_errs.values(), default=0.0)
+
+    @property
+    def max_step_err(self) -> float:
+        return max(self.step_errs.values(), default=0.0)
+
+
+def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: float = 1e-3,
+            kwargs: dict | None = None) -> Comparison:
+    """Forward + backward both models on ``inputs``; optionally ``steps`` AdamW steps on both.
+
+    ``model`` is copied first, so the caller's model is left as it was. After the steps,
+    parameters are compared where the reference gradient is not zero in exact arithmetic: a
+    key bias gets no gradient (softmax is shift-invariant) and Adam turns the ~1e-8 rounding
+    noise it gets instead into full +-lr steps, in the sharded and the unsharded run alike.
+    Entries whose first gradient is below 1e-6 of their tensor's largest are left out of
+    ``step_errs`` (their gradients are still compared in ``grad_errs``).
+    """
+    ref = copy.deepcopy(model)
+    kwargs = kwargs or {}
+    out_ref, out = ref(*inputs, **kwargs), tp(*inputs, **kwargs)
+    out_err = rel_err(_first(out), _first(out_ref))
+    _loss(out_ref).backward()
+    _loss(out).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    grads = tp.full_grads()
+    # a gradient that is zero in exact arithmetic (a key bias: softmax is shift-invariant) is
+    # measured against 1e-3 of the model's largest gradient instead of its own rounding noise
+    floor = 1e-3 * max(g.abs().max().item() for g in ref_grads.values())
+    grad_errs = {n: rel_err(grads[n], g, floor) for n, g in ref_grads.items()}
+    missing = set(ref_grads) - set(grads)
+    if missing:
+        raise AssertionError(f"parameters with a reference gradient but none sharded: {sorted(missing)}")
+    step_errs = {}
+    if steps:
+        live = {n: g.abs() > 1e-6 * g.abs().max() for n, g in ref_grads.items()}
+        opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (ref, tp)]
+        for i in range(steps):
+            if i:
+                for m in (ref, tp):
+                    m.zero_grad()
+                    _loss(m(*inputs, **kwargs)).backward()
+            for o in opts:
+                o.step()
+        full = tp.full_state_dict()
+        step_errs = {n: rel_err(full[n][live[n]], t[live[n]]) if n in live else rel_err(full[n], t)
+                     for n, t in ref.state_dict().items() if t.is_floating_point()}
+    return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module))
+
+
+def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
+    """Bytes autograd keeps for backward after one forward of ``module`` (parameters excluded).
+
+    Each distinct storage is counted once; the backward is run too, so that only tensors it
+    really reads count (``saved_tensors_hooks`` sees every save).
+    """
+    params = {t.untyped_storage().data_ptr() for t in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*inputs)
+    _first(out).float().sum().backward()
+    return sum(seen.values())
