@@ -1,8 +1,8 @@
 """The catalogue of bad (or merely unusual) inputs: one small model per entry.
 
-Each model is what a user might plausibly write; the README's "Guarantees and limits" section
-says what tpcompile does with each, and tests/unit/test_catalogue.py (planning, exact error
-texts) and tests/gloo/test_reliability.py (numerics on real ranks) check it.
+Each model is what a user might plausibly write; docs/guarantees.md says what tpcompile does
+with each, and tests/unit/test_catalogue.py (planning, exact error texts) and
+tests/gloo/test_reliability.py (numerics on real ranks) check it.
 """
 
 from __future__ import annotations

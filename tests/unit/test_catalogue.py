@@ -1,6 +1,6 @@
 """The bad-input catalogue without a process group: every refusal and its exact text.
 
-The README's "Guarantees and limits" section quotes these messages; numerics of the entries
+docs/guarantees.md ("The catalogue of bad inputs") quotes these messages; numerics of the entries
 that are accepted are measured on gloo ranks in tests/gloo/test_reliability.py.
 """
 

@@ -14,8 +14,8 @@ Three things live here:
   default scheduler waits for every collective right after issuing it; the reorder passes sink
   the backward's ``wait_tensor`` past the weight-gradient matmuls that do not need the reduced
   value, so those run while the all-reduce is in flight. Whether that pays depends on the
-  transport: ``OVERLAP_DEFAULT`` follows what ``bench/step_time.py`` measured (README,
-  "Benchmarks": no gain on CPU/gloo, so off).
+  transport: ``OVERLAP_DEFAULT`` follows what ``bench/step_time.py`` measured
+  (docs/performance.md: no gain on CPU/gloo, so off).
 * :func:`mark_dynamic`: the capture exports every input dim as ``Dim.AUTO``, so the graph
   already knows which dims are free (batch, sequence). Marking them before the first call
   makes Dynamo compile one graph for all their sizes >= 2 instead of recompiling (first
@@ -40,7 +40,7 @@ __all__ = ["OVERLAP_DEFAULT", "OVERLAP_PASSES", "compile_options", "dynamic_dims
 OVERLAP_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative",
                   "reorder_communication_preserving_peak_memory")
 
-# bench/step_time.py on CPU/gloo (README, "Benchmarks"; bench/results/): in four runs (Llama at
+# bench/step_time.py on CPU/gloo (docs/performance.md; bench/results/): in four runs (Llama at
 # 2 and 4 ranks, GPT-2 at 2, a 60-step Llama A/B) overlap-on / overlap-off step time was
 # 0.95-1.12, while an identical overlap-off variant measured 0.99-1.11: no gain beyond noise
 # (gloo's all-reduce competes for the same cores), so inductor's default order stays. Not

@@ -5,7 +5,7 @@ device, without memory): per parameter the style, dim and global -> local shape 
 that explains it; every collective with its phase, shape and bytes; per-rank parameter bytes;
 the ops that forced a fallback; the comparison with Megatron's lower bound; and the equivalent
 ``parallelize_module`` plan where one exists. ``str(report)`` is for people, ``to_json()`` for
-programs (schema in the README, section "Inspecting a plan").
+programs (schema in docs/explain.md).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpcompile {args.command}: error: {e.message}\n  hint: {e.hint}", file=sys.stderr)
         return e.exit_code
     except TPCompileError as e:  # its message is already "what went wrong\n  hint: the way out"
-        text = str(e) if "hint:" in str(e) else f"{e}\n  hint: see README.md, section \"Guarantees and limits\""
+        text = str(e) if "hint:" in str(e) else f"{e}\n  hint: see docs/guarantees.md"
         print(f"tpcompile {args.command}: error: {text}", file=sys.stderr)
         return 1
 
