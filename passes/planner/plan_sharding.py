@@ -37,9 +37,10 @@ from tpcompile.errors import TPCompileError
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.rules import PARAM_MATMULS, rule_for
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
 from tpcompile.passes.planner.propagate import (
-    PARAM_MATMULS, Constraints, Propagation, _same, propagate,
+    Constraints, Propagation, _same, propagate,
 )
 
 log = logging.getLogger(__name__)
@@ -215,18 +216,56 @@ def _is_distributed(p) -> bool:
 
 
 def _absorb_params(gm, state: Propagation) -> None:
-    """A weight every use wants sharded the same way is stored sharded; no slicing at use."""
+    """A weight every use wants sharded the same way is stored sharded; no slicing at use.
+
+    A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) is stored sharded on the
+    dim its views carry to the shard its use wants: the rule table maps each view's dims.
+    """
     specs = state.specs
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users:
             continue
-        wanted = [state.conversions.get((node, u)) for u in node.users]
+        chain = view_chain(node)
+        end = chain[-1]
+        wanted = [state.conversions.get((end, u)) for u in end.users]
         first = wanted[0]
-        if isinstance(first, Shard) and all(
-                isinstance(w, Shard) and _same(specs, first, w) for w in wanted):
-            state.placements[node] = first
-            for u in node.users:
-                del state.conversions[(node, u)]
+        if not (isinstance(first, Shard) and all(
+                isinstance(w, Shard) and _same(specs, first, w) for w in wanted)):
+            continue
+        placements = _pulled_back(chain, first, specs)
+        if placements is None:
+            continue
+        for n, p in zip(chain, placements):
+            state.placements[n] = p
+        for u in end.users:
+            del state.conversions[(end, u)]
+
+
+def view_chain(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the views it alone feeds, one user each (``w -> t -> matmul``: [w, t])."""
+    chain = [node]
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        rule = rule_for(user)
+        if rule is None or rule.maps is None or not user.args or user.args[0] is not chain[-1]:
+            break
+        chain.append(user)
+    return chain
+
+
+def _pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | None:
+    """Placements along ``chain`` that end in ``wanted``: the first dim of the weight whose
+    shard the views carry there, or None if none does."""
+    for dim in range(len(shape(chain[0]))):
+        placements = [Shard(dim, wanted.layout)]
+        for view in chain[1:]:
+            mapped = rule_for(view).maps(view, placements[-1])
+            if mapped is None:
+                break
+            placements.append(mapped)
+        if len(placements) == len(chain) and _same(specs, placements[-1], wanted):
+            return placements
+    return None
 
 
 def _grad_syncs(gm, state: Propagation, needs_grad: set) -> list[str]:
@@ -261,9 +300,10 @@ def _style(node: fx.Node, state: Propagation) -> str:
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
-    if any(u.target is torch.ops.aten.embedding.default for u in node.users):
+    users = view_chain(node)[-1].users
+    if any(u.target is torch.ops.aten.embedding.default for u in users):
         return "vocab"
-    if any(isinstance(state.placements.get(u), Partial) for u in node.users):
+    if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"
     return "colwise"
 

@@ -29,9 +29,8 @@ from tpcompile.passes.planner.rules import rule_for
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "PARAM_MATMULS"]
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate"]
 
-PARAM_MATMULS = (aten.linear.default, aten.mm.default, aten.matmul.default)
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
 
@@ -137,25 +136,46 @@ class OpView:
         return target
 
     def maybe_column_parallel(self, operands, out_labels, assume_replicated=()):
-        """Start a column-parallel root at a parameter matmul with a replicated activation."""
-        if self.node.target not in PARAM_MATMULS or "n" not in out_labels:
-            return None
+        """Start a column-parallel root at a parameter matmul with a replicated activation.
+
+        The weight is a parameter or a view of one (``w.t()``, ``w.view(...)``); its column
+        label is the first of its labels the output keeps and no activation has (``n`` of
+        ``linear``, ``h`` of ``einsum("btd,dh->bth")``, the expert's output dim of a ``bmm``).
+        """
         if any(not isinstance(self.placement(a), Replicate) for a, _ in operands
                if a not in assume_replicated and _is_tensor(a)):
             return None
-        weights = [(arg, labels) for arg, labels in operands
-                   if "n" in labels and self.is_param(arg)]
+        weights = [(arg, labels) for arg, labels in operands if self.param_behind(arg) is not None]
         if len(weights) != 1:
             return None
         w, labels = weights[0]
-        layout = self.root_layout(w, labels.index("n"))
+        others = {lab for arg, lab_list in operands if arg is not w and not self.is_bias(arg, w)
+                  for lab in lab_list}
+        column = next((lab for lab in labels if lab is not None and lab in out_labels
+                       and lab not in others), None)
+        layout = self.root_layout(w, labels.index(column)) if column is not None else None
         if layout is None:
             return None
-        self.require(w, Shard(labels.index("n"), layout))
+        self.require(w, Shard(labels.index(column), layout))
         for arg, lab in operands:
-            if arg is not w and "n" in lab:  # a bias over the same features
-                self.require(arg, Shard(lab.index("n"), layout))
-        return Shard(out_labels.index("n"), layout)
+            if arg is not w and column in lab:  # a bias over the same features
+                self.require(arg, Shard(lab.index(column), layout))
+        return Shard(out_labels.index(column), layout)
+
+    def is_bias(self, arg, weight) -> bool:
+        """A 1-D parameter beside the weight (``linear``'s bias) labels no activation dim."""
+        return arg is not weight and self.is_param(arg) and len(shape(arg)) == 1
+
+    def param_behind(self, arg) -> fx.Node | None:
+        """The parameter ``arg`` is, or is a view of (through ops the rule table maps dims of,
+        each used once): where a column-parallel root may start."""
+        node = arg
+        while isinstance(node, fx.Node) and not self.is_param(node):
+            rule = rule_for(node)
+            if rule is None or rule.maps is None or len(node.users) != 1 or not node.args:
+                return None
+            node = node.args[0]
+        return node if isinstance(node, fx.Node) and len(node.users) >= 1 else None
 
     def sequence_label(self, out_labels) -> object:
         """With sequence parallelism: the label of dim 1 of a (batch, seq, features) output."""
@@ -179,7 +199,7 @@ class OpView:
         logits are gathered), computes replicated: gathering the input moves fewer bytes than
         gathering its output (features out >= in for LM heads) and needs no weight-gradient sync.
         """
-        if self.node.target not in PARAM_MATMULS or not any(self.is_param(a) for a, _ in operands):
+        if not any(self.param_behind(a) is not None for a, _ in operands):
             return None
         activations = [a for a, _ in operands if isinstance(self.placement(a), Shard)]
         column = self.maybe_column_parallel(operands, out_labels, assume_replicated=activations)
@@ -197,7 +217,7 @@ class OpView:
         use that shards it agrees on the same cut.
         """
         size = int(shape(w)[dim])
-        name = w.target
+        name = self.param_behind(w).target  # a view of a parameter is cut as the parameter
         if self.specs.world_size < 2 or size < self.specs.world_size or name in self.constraints.killed:
             return None
         if name not in self.specs.roots:

@@ -34,22 +34,29 @@ from tpcompile.passes.planner.dims import (
 
 aten = torch.ops.aten
 
-__all__ = ["Rule", "RULES", "rule_for", "einsum_rule"]
+__all__ = ["Rule", "RULES", "PARAM_MATMULS", "rule_for", "einsum_rule"]
 
 
 @dataclass(frozen=True)
 class Rule:
+    """``maps(node, shard)``: for ops that only move, split or merge dims (views), where a
+    shard of the input lands in the output (None: it is cut up). The planner uses it to store
+    a parameter sharded when only a view of it (``w.t()``, ``w.view(...)``) meets a matmul."""
     propagate: Callable
     localize: Callable | None = None
+    maps: Callable | None = None
 
 
 RULES: dict = {}
+PARAM_MATMULS: set = set()  # ops whose parameter operand may start a column-parallel root
 
 
-def register(*targets, localize=None):
+def register(*targets, localize=None, maps=None, matmul=False):
     def deco(fn):
         for t in targets:
-            RULES[t] = Rule(fn, localize)
+            RULES[t] = Rule(fn, localize, maps)
+            if matmul:
+                PARAM_MATMULS.add(t)
         return fn
     return deco
 
@@ -66,10 +73,12 @@ def rule_for(node: fx.Node) -> Rule | None:
 
 # --------------------------------------------------------------------------- einsum core
 
-def einsum_rule(op, operands, out_labels, linear=None):
+def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
     """Propagate through an op whose operand dims carry labels (see module docstring).
 
     ``operands``: [(arg, labels)] with one label per dim (None: a broadcast size-1 dim).
+    ``matmul``: a parameter operand (or a view of one) with a label that only it and the
+    output carry may start a column-parallel root when every operand is replicated.
     With sequence parallelism, replicated and partial activations are put on sequence shards
     (partial ones by a reduce-scatter) and column-parallel matmuls gather their input first.
     """
@@ -92,7 +101,7 @@ def einsum_rule(op, operands, out_labels, linear=None):
             return Replicate()
         sharded = [(i, seq, op.sequence_layout()) for i in partial]  # reduce-scatter them
     if not sharded:
-        column = op.maybe_column_parallel(operands, out_labels)
+        column = op.maybe_column_parallel(operands, out_labels) if matmul else None
         if column is not None or seq is None:
             return column or Replicate()
         sharded = [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
@@ -102,7 +111,7 @@ def einsum_rule(op, operands, out_labels, linear=None):
             op.require(arg, Replicate())
         return Replicate()
     if label == seq and len(sharded) == len([s for s in sharded if s[1] == seq]):
-        column = op.gather_for_column(operands, out_labels)  # Megatron-SP: all-gather, then column
+        column = op.gather_for_column(operands, out_labels) if matmul else None  # Megatron-SP
         if column is not None:
             return column
     for i, lab, _ in sharded[1:]:
@@ -245,7 +254,7 @@ def _complex_view(op):
 
 # --------------------------------------------------------------------------- matmuls
 
-@register(aten.linear.default)
+@register(aten.linear.default, matmul=True)
 def _linear(op):
     x, w = op.node.args[0], op.node.args[1]
     n = len(shape(x))
@@ -254,7 +263,7 @@ def _linear(op):
     operands = [(x, x_labels), (w, ["n", "k"])]
     if len(op.node.args) > 2 and op.node.args[2] is not None:
         operands.append((op.node.args[2], ["n"]))
-    return einsum_rule(op, operands, out_labels, linear="mul")
+    return einsum_rule(op, operands, out_labels, linear="mul", matmul=True)
 
 
 def _matmul_labels(sa, sb):
@@ -272,11 +281,57 @@ def _matmul_labels(sa, sb):
     return a, b, out
 
 
-@register(aten.matmul.default, aten.mm.default, aten.bmm.default)
+@register(aten.matmul.default, aten.mm.default, aten.bmm.default, matmul=True)
 def _matmul(op):
     x, w = op.node.args[0], op.node.args[1]
     a, b, out = _matmul_labels(shape(x), shape(w))
-    return einsum_rule(op, [(x, a), (w, b)], out, linear="mul")
+    return einsum_rule(op, [(x, a), (w, b)], out, linear="mul", matmul=True)
+
+
+def _einsum_labels(equation: str, operands: list) -> tuple[list, list]:
+    """Per-operand labels and output labels of an einsum equation (``...`` expanded)."""
+    lhs, _, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if not rhs and "->" not in equation:  # implicit output: labels seen once, sorted
+        letters = "".join(terms).replace(".", "")
+        rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        if "..." in lhs:
+            rhs = "..." + rhs
+    width = max((len(shape(a)) - len(t.replace("...", "")) for a, t in zip(operands, terms)
+                 if "..." in t), default=0)
+    ellipsis = [f"...{i}" for i in range(width)]
+
+    def expand(term, ndim=None):
+        if "..." not in term:
+            return list(term)
+        head, tail = term.split("...")
+        n = (ndim - len(head) - len(tail)) if ndim is not None else width
+        return list(head) + ellipsis[width - n:] + list(tail)
+
+    labels = [expand(t, len(shape(a))) for a, t in zip(operands, terms)]
+    labels = [[None if (lab.startswith("...") and shape(a)[d] == 1) else lab
+               for d, lab in enumerate(ls)] for a, ls in zip(operands, labels)]
+    return labels, expand(rhs)
+
+
+@register(aten.einsum.default, matmul=True)
+def _einsum(op):
+    """Any equation: its letters are the labels :func:`einsum_rule` reads."""
+    equation, operands = op.node.args[0], list(op.node.args[1])
+    labels, out = _einsum_labels(equation, operands)
+    linear = "mul" if len(operands) > 1 else "unary"
+    return einsum_rule(op, list(zip(operands, labels)), out, linear=linear, matmul=True)
+
+
+@register(aten.stack.default)
+def _stack(op):
+    """``stack`` is ``cat`` of unsqueezed tensors: the new dim carries no shard."""
+    tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
+    n = len(shape(op.node))
+    dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
+    labels = [d for d in range(n) if d != dim]
+    return einsum_rule(op, [(t, labels) for t in tensors],
+                       [d if d != dim else "stacked" for d in range(n)], linear="add")
 
 
 def _localize_sdpa(node, local):
@@ -419,19 +474,24 @@ VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
           aten.expand.default, aten.slice.Tensor, aten.select.int,
           aten.repeat_interleave.self_int, aten.unflatten.int, aten.flatten.using_ints,
-          localize=lambda node, local: _localize_dim_op(node, local))
+          aten.numpy_T.default, aten.movedim.int,
+          localize=lambda node, local: _localize_dim_op(node, local),
+          maps=lambda node, p: _maps(node, p))
 def _dim_op(op):
     """Ops that move, add, drop or regroup dims without mixing sharded data across them."""
     x = op.node.args[0]
     other = _passthrough_non_shard(op, x)
     if other is not None:
         return other
-    p = _shard_of(op, x)
-    mapped = (_map_view if op.node.target in VIEWS else _map_dim)(op.node, p)
+    mapped = _maps(op.node, _shard_of(op, x))
     if mapped is None:
         op.require(x, Replicate())
         return Replicate()
     return mapped
+
+
+def _maps(node, p: Shard):
+    return (_map_view if node.target in VIEWS else _map_dim)(node, p)
 
 
 def _map_dim(node, p: Shard):
@@ -444,6 +504,13 @@ def _map_dim(node, p: Shard):
         return Shard(b if d == a else a if d == b else d, p.layout)
     if t is aten.permute.default:
         return Shard([norm_dim(x, n_in) for x in args[1]].index(d), p.layout)
+    if t is aten.numpy_T.default:  # every dim reversed
+        return Shard(n_in - 1 - d, p.layout)
+    if t is aten.movedim.int:
+        order = list(range(n_in))
+        src, dst = norm_dim(args[1], n_in), norm_dim(args[2], n_in)
+        order.insert(dst, order.pop(src))
+        return Shard(order.index(d), p.layout)
     if t in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
              aten.expand.default):
         # sizes > 1 keep their order; the sharded dim is the k-th of them on both sides

@@ -17,7 +17,8 @@ from torch import fx
 
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
-from tpcompile.passes.planner.propagate import PARAM_MATMULS, SEQUENCE
+from tpcompile.passes.planner.propagate import SEQUENCE
+from tpcompile.passes.planner.rules import PARAM_MATMULS
 
 __all__ = ["Chain", "find_chains", "layer_of"]
 
