@@ -70,17 +70,24 @@ def measure(world_sizes, names) -> list[dict]:
     return rows
 
 
+def ideal_split(report, sharded=lambda fqn, entry: entry.style != "replicate") -> tuple[int, int]:
+    """(sharded, replicated) trainable parameter bytes of ``report``, each tensor once.
+
+    ``sharded(fqn, entry)`` says which side a tensor is on: by default the plan's own styles;
+    ``bench/idioms.py`` passes what a Megatron-style plan would shard instead.
+    """
+    unique = {tuple(e.aliases): (name, e) for name, e in report.params.items() if e.trainable}
+    split = [0, 0]
+    for name, e in unique.values():
+        size = math.prod(e.global_shape) * getattr(torch, e.dtype).itemsize
+        split[0 if sharded(name, e) else 1] += size
+    return split[0], split[1]
+
+
 def vs_ideal(name: str, model, inputs, world_size: int) -> dict:
     """Largest rank's trainable parameter bytes against sharded / N + replicated."""
     report = tpcompile.explain(model, inputs, world_size)
-    unique = {tuple(e.aliases): e for e in report.params.values() if e.trainable}
-    sharded = replicated = 0
-    for e in unique.values():
-        size = math.prod(e.global_shape) * getattr(torch, e.dtype).itemsize
-        if e.style == "replicate":
-            replicated += size
-        else:
-            sharded += size
+    sharded, replicated = ideal_split(report)
     ideal = sharded / world_size + replicated
     actual = max(report.param_bytes_per_rank)
     return {"model": name, "world_size": world_size, "sharded_bytes": sharded,

@@ -1,0 +1,549 @@
+"""The idiom corpus: one small transformer per way real projects write one step of a block.
+
+Each model is the same skeleton (token embedding -> 2 pre-norm blocks -> RMSNorm -> LM head,
+dim 64, 8 heads of 8, SwiGLU hidden 128, vocab 256, float32) with ONE step written in the
+style of a known code base: a RoPE variant, a GQA repeat, a fused projection, raw-Parameter
+matmuls, an MoE. Every other step is the plain baseline (``Attention``: separate q/k/v/o
+Linears, causal SDPA, no positions; ``SwiGLU``: three Linears), so a model that misses its
+Megatron bound points at its idiom. Each idiom is written as its code base writes it, not
+as tpcompile would like it.
+
+``IDIOMS[name]`` is a zero-argument factory, ``build(name)`` the deterministic model,
+``EXPECT[name]`` what a Megatron-style plan of it is: which parameters are column-parallel,
+row-parallel and replicated (fnmatch globs on parameter FQNs), and the all-reduces per layer.
+``bench/idioms.py`` measures tpcompile against it; ``tests/unit/test_idioms_capture.py``
+checks every model runs and is captured exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from fnmatch import fnmatch
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["IDIOMS", "EXPECT", "Expect", "build", "example_inputs"]
+
+D, HEADS, HIDDEN, VOCAB, LAYERS, MAX_SEQ = 64, 8, 128, 256, 2, 64
+HEAD_DIM = D // HEADS
+
+
+# ----------------------------------------------------------------- what the plan should be
+
+@dataclass(frozen=True)
+class Expect:
+    """A Megatron-style plan: globs on parameter FQNs and all-reduces per layer.
+
+    Every trainable parameter matches exactly one of ``colwise``, ``rowwise``, ``replicated``.
+    ``kv`` are column-parallel while the ``kv_heads`` KV heads can be split over the ranks, and
+    replicated when there are fewer KV heads than ranks (Megatron's replicated KV groups: each
+    one's weight gradient is all-reduced, one more backward all-reduce per tensor). The
+    all-reduces are per layer and training step: 1 + 1 per column -> row chain.
+    """
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    replicated: tuple[str, ...] = ("embed.weight", "head.weight", "norm.weight", "layers.*_norm.weight")
+    fwd_allreduce_per_layer: int = 2
+    bwd_allreduce_per_layer: int = 2
+    kv: tuple[str, ...] = ()
+    kv_heads: int = HEADS
+
+    def at(self, world_size: int) -> "Expect":
+        """The plan for ``world_size`` ranks, with ``kv`` resolved (and emptied)."""
+        if world_size <= self.kv_heads:
+            return replace(self, colwise=self.colwise + self.kv, kv=())
+        return replace(self, replicated=self.replicated + self.kv, kv=(),
+                       bwd_allreduce_per_layer=self.bwd_allreduce_per_layer + len(self.kv))
+
+    def style(self, fqn: str) -> str | None:
+        """colwise | rowwise | replicate for ``fqn`` (after ``at``); None if no glob names it."""
+        for style, globs in (("colwise", self.colwise), ("rowwise", self.rowwise),
+                             ("replicate", self.replicated)):
+            if any(fnmatch(fqn, g) for g in globs):
+                return style
+        return None
+
+
+def _in_layers(*globs: str) -> tuple[str, ...]:
+    return tuple(f"layers.*.{g}" for g in globs)
+
+
+ATTN_COL, ATTN_ROW = _in_layers("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"), \
+    _in_layers("attn.wo.weight")
+MLP_COL, MLP_ROW = _in_layers("mlp.w1.weight", "mlp.w3.weight"), _in_layers("mlp.w2.weight")
+BASELINE = Expect(colwise=ATTN_COL + MLP_COL, rowwise=ATTN_ROW + MLP_ROW)
+
+
+def attention_expect(col=ATTN_COL, row=ATTN_ROW, **kw) -> Expect:
+    return Expect(colwise=col + MLP_COL, rowwise=row + MLP_ROW, **kw)
+
+
+def mlp_expect(col=MLP_COL, row=MLP_ROW, **kw) -> Expect:
+    return Expect(colwise=ATTN_COL + col, rowwise=ATTN_ROW + row, **kw)
+
+
+# ----------------------------------------------------------------- the shared skeleton
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int = D, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Attention(nn.Module):
+    """Baseline: separate q/k/v/o Linears, (B, T, heads, head_dim) views, causal SDPA.
+
+    Idioms override one step: ``init_projections`` + ``project`` (x -> q, k, v as
+    (B, T, heads, head_dim)), ``position`` (q, k -> rotated q, k), ``attend`` (q, k, v as
+    (B, heads, T, head_dim) -> (B, heads, T, head_dim)), or ``output``.
+    """
+
+    def __init__(self, n_heads: int = HEADS, n_kv_heads: int | None = None, linear=nn.Linear):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        self.head_dim = D // n_heads
+        self.init_projections(linear)
+
+    def init_projections(self, linear):
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wq, self.wk, self.wv = (linear(D, n, bias=False) for n in (q, kv, kv))
+        self.wo = linear(q, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        return (self.wq(x).view(B, T, self.n_heads, self.head_dim),
+                self.wk(x).view(B, T, self.n_kv_heads, self.head_dim),
+                self.wv(x).view(B, T, self.n_kv_heads, self.head_dim))
+
+    def position(self, q, k):
+        return q, k
+
+    def attend(self, q, k, v, *extra):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def output(self, y):
+        B, T = y.shape[:2]
+        return self.wo(y.reshape(B, T, -1))
+
+    def forward(self, x, *extra):
+        q, k, v = self.project(x)
+        q, k = self.position(q, k)
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *extra)
+        return self.output(y.transpose(1, 2))
+
+
+class SwiGLU(nn.Module):
+    """Baseline MLP (idiom ``swiglu_linear``): w2(silu(w1 x) * w3 x) with three nn.Linear."""
+
+    def __init__(self, hidden: int = HIDDEN, linear=nn.Linear):
+        super().__init__()
+        self.w1, self.w3 = linear(D, hidden, bias=False), linear(D, hidden, bias=False)
+        self.w2 = linear(hidden, D, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, attn, mlp):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(), attn()
+        self.mlp_norm, self.mlp = RMSNorm(), mlp()
+
+    def forward(self, x, *extra):
+        x = x + self.attn(self.attn_norm(x), *extra)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LM(nn.Module):
+    """Embedding -> LAYERS blocks -> RMSNorm -> LM head; ``layer_inputs`` feeds every block."""
+
+    def __init__(self, attn=Attention, mlp=SwiGLU):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(Block(attn, mlp) for _ in range(LAYERS))
+        self.norm = RMSNorm()
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def layer_inputs(self, tokens) -> tuple:
+        return ()
+
+    def forward(self, tokens):
+        extra = self.layer_inputs(tokens)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, *extra)
+        return self.head(self.norm(x))
+
+
+def rope_angles(dim: int, max_seq: int = MAX_SEQ, base: float = 10000.0):
+    """(max_seq, dim // 2) angles position * base^(-2i/dim)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+    return torch.outer(torch.arange(max_seq).float(), inv_freq)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# ----------------------------------------------------------------- positions
+
+class RotateHalfRoPE(Attention):
+    """Hugging Face Llama: cos / sin tables of the doubled angles, q*cos + rotate_half(q)*sin."""
+
+    def __init__(self):
+        super().__init__()
+        emb = torch.cat((rope_angles(self.head_dim),) * 2, dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def position(self, q, k):
+        T = q.shape[1]
+        cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # over heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_every_two(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class InterleavedRoPE(Attention):
+    """GPT-J: pairs (0, 1), (2, 3)... rotated, tables repeat_interleave'd to head_dim."""
+
+    def __init__(self):
+        super().__init__()
+        angles = rope_angles(self.head_dim).repeat_interleave(2, dim=-1)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+
+    def position(self, q, k):
+        T = q.shape[1]
+        sin, cos = self.sin[None, :T, None, :], self.cos[None, :T, None, :]
+        return (q * cos) + (rotate_every_two(q) * sin), (k * cos) + (rotate_every_two(k) * sin)
+
+
+class PartialRoPE(Attention):
+    """GPT-NeoX: rotary on the first rotary_dim of each head, the rest passed through."""
+
+    def __init__(self, rotary_pct: float = 0.5):
+        super().__init__()
+        self.rotary_dim = int(self.head_dim * rotary_pct)
+        emb = torch.cat((rope_angles(self.rotary_dim),) * 2, dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def position(self, q, k):
+        T, rd = q.shape[1], self.rotary_dim
+        cos, sin = self.cos_cached[:T, None], self.sin_cached[:T, None]
+        q_rot, q_pass = q[..., :rd], q[..., rd:]
+        k_rot, k_pass = k[..., :rd], k[..., rd:]
+        q = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
+        k = torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1)
+        return q, k
+
+
+class TorchtitanAttention(Attention):
+    """torchtitan Llama 3: complex RoPE, heads inferred with -1, SDPA with enable_gqa."""
+
+    def __init__(self):
+        super().__init__(n_heads=8, n_kv_heads=2)
+        angles = rope_angles(self.head_dim)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def project(self, x):
+        bs, seqlen, _ = x.shape
+        return (self.wq(x).view(bs, seqlen, -1, self.head_dim),
+                self.wk(x).view(bs, seqlen, -1, self.head_dim),
+                self.wv(x).view(bs, seqlen, -1, self.head_dim))
+
+    def position(self, xq, xk):
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+        freqs_cis = self.freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
+        xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+        xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+        return xq_out.type_as(xq), xk_out.type_as(xk)
+
+    def attend(self, q, k, v, *extra):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class PairStackRoPE(Attention):
+    """Pairs by reshape(..., -1, 2), rotated, re-interleaved by stack(..., -1).flatten(3)."""
+
+    def __init__(self):
+        super().__init__()
+        angles = rope_angles(self.head_dim)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def position(self, q, k):
+        cos, sin = self.cos[: q.shape[1], None], self.sin[: q.shape[1], None]
+
+        def rotate(x):
+            x = x.reshape(*x.shape[:-1], -1, 2)
+            x1, x2 = x[..., 0], x[..., 1]
+            return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(3)
+
+        return rotate(q), rotate(k)
+
+
+class ALiBiAttention(Attention):
+    """BLOOM / MPT: no rotary; a per-head linear distance penalty added to the scores."""
+
+    def __init__(self):
+        super().__init__()
+        slopes = torch.tensor([2 ** (-8 * (i + 1) / self.n_heads) for i in range(self.n_heads)])
+        self.register_buffer("slopes", slopes.view(self.n_heads, 1, 1), persistent=False)
+
+    def attend(self, q, k, v, *extra):
+        T = q.shape[2]
+        pos = torch.arange(T, device=q.device)
+        bias = self.slopes * (pos[None, :] - pos[:, None]).float()  # (heads, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + bias
+        scores = scores.masked_fill(causal, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+# ----------------------------------------------------------------- projections
+
+class FusedQKV(Attention):
+    """One Linear(D, 3D) viewed as (B, T, 3, heads, head_dim) and unbound (x-transformers)."""
+
+    def init_projections(self, linear):
+        self.wqkv = linear(D, 3 * D, bias=False)
+        self.wo = linear(D, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        return self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+
+
+class EinsumAttention(Attention):
+    """Flax / Gemma ports: (D, heads, head_dim) Parameters and einsum projections."""
+
+    def init_projections(self, linear):
+        def param(*shape, fan_in=D):
+            return nn.Parameter(torch.randn(*shape) / math.sqrt(fan_in))
+
+        self.wq, self.wk, self.wv = (param(D, self.n_heads, self.head_dim) for _ in range(3))
+        self.wo = param(self.n_heads, self.head_dim, D)
+
+    def project(self, x):
+        return tuple(torch.einsum("bld,dhk->blhk", x, w) for w in (self.wq, self.wk, self.wv))
+
+    def output(self, y):
+        return torch.einsum("blhk,hkd->bld", y, self.wo)
+
+
+class MatmulLinear(nn.Linear):
+    """A Linear that spells out its matmul, as LoRA / quantization wrappers do."""
+
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+# ----------------------------------------------------------------- heads and attention
+
+class RepeatKV(Attention):
+    """Hugging Face repeat_kv: k[:, :, None].expand(...).reshape(...) to the query heads."""
+
+    def attend(self, q, k, v, *extra):
+        B, n_kv, T, hd = k.shape
+        n_rep = self.n_heads // n_kv
+        k = k[:, :, None, :, :].expand(B, n_kv, n_rep, T, hd).reshape(B, n_kv * n_rep, T, hd)
+        v = v[:, :, None, :, :].expand(B, n_kv, n_rep, T, hd).reshape(B, n_kv * n_rep, T, hd)
+        return super().attend(q, k, v)
+
+
+class RepeatInterleaveKV(Attention):
+    """GQA by torch.repeat_interleave on the head dim (Mistral reference, many forks)."""
+
+    def attend(self, q, k, v, *extra):
+        n_rep = self.n_heads // self.n_kv_heads
+        k = torch.repeat_interleave(k, repeats=n_rep, dim=1)
+        v = torch.repeat_interleave(v, repeats=n_rep, dim=1)
+        return super().attend(q, k, v)
+
+
+class MaskedSoftmax(Attention):
+    """nanoGPT: softmax(q k^T / sqrt(d)) with a tril buffer and masked_fill, then @ v."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(MAX_SEQ, MAX_SEQ))
+                             .view(1, 1, MAX_SEQ, MAX_SEQ), persistent=False)
+
+    def attend(self, q, k, v, *extra):
+        T = q.size(2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+class PaddingMaskLM(LM):
+    """Hugging Face: a (B, 1, T, T) boolean mask (causal and not padding) made once per call."""
+
+    PAD = 0
+
+    def layer_inputs(self, tokens):
+        B, T = tokens.shape
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        keep = (tokens != self.PAD)[:, None, None, :] & causal
+        return (keep | torch.eye(T, dtype=torch.bool, device=tokens.device),)  # no empty rows
+
+
+class MaskedSDPA(Attention):
+    def attend(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# ----------------------------------------------------------------- MLPs
+
+class RawParamSwiGLU(nn.Module):
+    """(in, out) Parameters used with @ and einsum, no nn.Linear (JAX ports, minGPT forks)."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.randn(D, hidden) / math.sqrt(D))
+        self.w_up = nn.Parameter(torch.randn(D, hidden) / math.sqrt(D))
+        self.w_down = nn.Parameter(torch.randn(hidden, D) / math.sqrt(hidden))
+
+    def forward(self, x):
+        gate = F.silu(x @ self.w_gate)
+        up = torch.einsum("btd,dh->bth", x, self.w_up)
+        return (gate * up) @ self.w_down
+
+
+class FusedGateUp(nn.Module):
+    """Phi-3 / vLLM: one gate_up Linear(D, 2 * hidden), chunked in two."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, D, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class ModuleListMoE(nn.Module):
+    """Mixtral: softmax router, top-2, a loop over experts gathering their tokens by index."""
+
+    def __init__(self, n_experts: int = 4, top_k: int = 2, hidden: int = 64):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(D, n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(hidden) for _ in range(n_experts))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        probs = F.softmax(self.router(flat), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            y = expert(flat.index_select(0, token)) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out.view(B, T, C)
+
+
+class StackedMoE(nn.Module):
+    """Stacked (experts, out, in) weights applied to every token by bmm, gated densely
+    (GShard / dense-dispatch style): no data-dependent shapes."""
+
+    def __init__(self, n_experts: int = 4, top_k: int = 2, hidden: int = 64):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.router = nn.Linear(D, n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(n_experts, hidden, D) / math.sqrt(D))
+        self.w3 = nn.Parameter(torch.randn(n_experts, hidden, D) / math.sqrt(D))
+        self.w2 = nn.Parameter(torch.randn(n_experts, D, hidden) / math.sqrt(hidden))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        weights, chosen = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        gates = torch.zeros_like(flat[:, : self.n_experts]).scatter(-1, chosen, weights)
+        xs = flat.unsqueeze(0).expand(self.n_experts, -1, -1)  # (experts, tokens, D)
+        h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
+        y = torch.bmm(h, self.w2.transpose(1, 2))  # (experts, tokens, D)
+        return (gates.t().unsqueeze(-1) * y).sum(0).view(B, T, C)
+
+
+# ----------------------------------------------------------------- the registry
+
+MOE_EXPERTS = _in_layers("mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"), \
+    _in_layers("mlp.experts.*.w2.weight")
+_KV = _in_layers("attn.wk.weight", "attn.wv.weight")
+# Experts sharded like SwiGLUs, their partial outputs weighted and summed, then ONE forward
+# all-reduce. Backward: the block's input gradient (1) and the routing weights' gradient,
+# <expert output, grad> over partial outputs, reduced once (N x top_k values, or the router's
+# weight gradient): 1 more than a dense MLP.
+MOE = dict(replicated=BASELINE.replicated + _in_layers("mlp.router.weight"),
+           bwd_allreduce_per_layer=3)
+_REGISTRY = [
+    # name, factory, expected plan
+    ("rope_rotate_half", lambda: LM(attn=RotateHalfRoPE), BASELINE),
+    ("rope_gptj_interleaved", lambda: LM(attn=InterleavedRoPE), BASELINE),
+    ("rope_neox_partial", lambda: LM(attn=PartialRoPE), BASELINE),
+    ("torchtitan_llama3", lambda: LM(attn=TorchtitanAttention),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
+    ("rope_pair_stack", lambda: LM(attn=PairStackRoPE), BASELINE),
+    ("alibi", lambda: LM(attn=ALiBiAttention), BASELINE),
+    ("fused_qkv_unbind", lambda: LM(attn=FusedQKV),
+     attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
+    ("einsum_qkv_3d", lambda: LM(attn=EinsumAttention),
+     attention_expect(col=_in_layers("attn.wq", "attn.wk", "attn.wv"), row=_in_layers("attn.wo"))),
+    ("mqa", lambda: LM(attn=partial(RepeatKV, n_kv_heads=1)),  # HF configs with 1 KV head
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
+    ("gqa_expand_reshape", lambda: LM(attn=partial(RepeatKV, n_kv_heads=4)),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
+    ("gqa_repeat_interleave", lambda: LM(attn=partial(RepeatInterleaveKV, n_kv_heads=4)),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
+    ("softmax_masked_fill", lambda: LM(attn=MaskedSoftmax), BASELINE),
+    ("swiglu_linear", lambda: LM(), BASELINE),
+    ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
+     mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),
+    ("swiglu_fused_gate_up", lambda: LM(mlp=FusedGateUp),
+     mlp_expect(col=_in_layers("mlp.gate_up_proj.weight"),  # per gate / up chunk
+                row=_in_layers("mlp.down_proj.weight"))),
+    ("linear_subclass_matmul", lambda: LM(attn=partial(Attention, linear=MatmulLinear),
+                                          mlp=partial(SwiGLU, linear=MatmulLinear)), BASELINE),
+    ("moe_modulelist_top2", lambda: LM(mlp=ModuleListMoE),
+     mlp_expect(*MOE_EXPERTS, **MOE)),
+    ("moe_stacked_bmm", lambda: LM(mlp=StackedMoE),
+     mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
+    ("sdpa_padding_mask", lambda: PaddingMaskLM(attn=MaskedSDPA), BASELINE),
+    ("mqa_sdpa_broadcast", lambda: LM(attn=partial(Attention, n_kv_heads=1)),  # Falcon
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
+]
+IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
+EXPECT = {name: expect for name, _, expect in _REGISTRY}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """Idiom ``name`` with deterministic weights."""
+    torch.manual_seed(seed)
+    return IDIOMS[name]()
+
+
+def example_inputs(batch: int = 2, seq: int = 16, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (batch, seq), generator=g),)

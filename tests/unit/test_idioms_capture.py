@@ -1,0 +1,81 @@
+"""The idiom corpus (tests/idioms.py) runs, is captured exactly, and is planned.
+
+Whether each plan reaches its Megatron bound is measured, not asserted, by bench/idioms.py
+(bench/results/idioms.md): the corpus is there to find what the planner misses.
+"""
+
+from __future__ import annotations
+
+import warnings
+from fnmatch import fnmatch
+
+import pytest
+import torch
+
+import idioms
+from tpcompile import plan_model
+
+NAMES = list(idioms.IDIOMS)
+
+
+def test_corpus_has_at_least_18_idioms():
+    assert len(NAMES) >= 18 and len(set(NAMES)) == len(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runs_forward_and_backward_unsharded(name):
+    model = idioms.build(name)
+    (tokens,) = idioms.example_inputs()
+    logits = model(tokens)
+    assert logits.shape == (*tokens.shape, idioms.VOCAB) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    logits.logsumexp(-1).mean().backward()
+    for fqn, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), fqn
+        assert p.grad.abs().sum() > 0, f"{fqn} gets no gradient (an expert no token reaches?)"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_build_is_deterministic(name):
+    a, b = idioms.build(name), idioms.build(name)
+    for (fqn, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), fqn
+    inputs = idioms.example_inputs()
+    assert torch.equal(a(*inputs), b(*inputs))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_expect_names_every_parameter_once(name):
+    """Each trainable FQN matches exactly one of colwise / rowwise / replicated, at any size."""
+    model = idioms.build(name)
+    for ws in (1, 2, 4, 8):
+        expect = idioms.EXPECT[name].at(ws)
+        for fqn, _ in model.named_parameters():
+            hits = [s for s, globs in (("col", expect.colwise), ("row", expect.rowwise),
+                                       ("rep", expect.replicated))
+                    if any(fnmatch(fqn, g) for g in globs)]
+            assert len(hits) == 1, (ws, fqn, hits)
+        globs = expect.colwise + expect.rowwise + expect.replicated
+        for g in globs:  # no stale glob
+            assert any(fnmatch(fqn, g) for fqn, _ in model.named_parameters()), g
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_captures_exactly(name):
+    model = idioms.build(name)
+    inputs = idioms.example_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(model, inputs, strict=False)
+    assert torch.equal(ep.module()(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tpcompile_captures_with_dynamic_sizes_and_plans(name):
+    model = idioms.build(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cap, plan = plan_model(model, idioms.example_inputs(), 2)
+    assert not [str(w.message) for w in caught if "tpcompile" in str(w.message)]
+    assert {fqn for fqn, _ in model.named_parameters()} <= set(plan.params)
+    assert cap.gm(*idioms.example_inputs(batch=3, seq=5)).shape == (3, 5, idioms.VOCAB)
