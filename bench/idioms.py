@@ -21,7 +21,7 @@ Plans come from ``tpcompile.explain``, with no process group. Per idiom and worl
 
 ``--numerics`` also runs every idiom on local gloo ranks (``tpcompile.parallelize``) and
 reports the largest relative error of the logits and of any gradient against the unsharded
-model (``tpcompile.check.compare``; the test suite's tolerance is 1e-5).
+model (``tpcompile.tools.numerics.compare``; the test suite's tolerance is 1e-5).
 
 The markdown also lists, per row that is not the Megatron plan, the planner's reason for each
 unexpected style and each fallback: what to fix.
@@ -42,7 +42,7 @@ import torch
 
 import tpcompile
 from memory import ideal_split
-from tpcompile.launch import run_on_ranks
+from tpcompile.tools.launch import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import idioms  # noqa: E402
@@ -128,7 +128,7 @@ def measure(name: str, world_size: int) -> dict:
 
 def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
     """On each gloo rank: name -> (output error, largest gradient error) or the error's line."""
-    from tpcompile.check import compare
+    from tpcompile.tools.numerics import compare
 
     out = {}
     for name in names:

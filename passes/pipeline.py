@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import types
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -154,6 +155,9 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """
     copied = fx.GraphModule.__new__(type(gm))
     copied.__dict__.update(gm.__dict__)
+    for key, value in gm.__dict__.items():  # export binds train/eval to the module: rebind
+        if isinstance(value, types.MethodType) and value.__self__ is gm:
+            copied.__dict__[key] = types.MethodType(value.__func__, copied)
     _own_containers(copied)
     copied.meta = dict(gm.meta)
     with warnings.catch_warnings():  # torch's own deprecation note on copying pytree specs

@@ -109,8 +109,8 @@ class OpView:
     def require_block(self, layout: Layout) -> None:
         """The root indices ``layout`` covers must be whole blocks of its root's cut."""
         lo, hi = layout.covered()
-        cuts = {b.start for b in self.specs.roots[layout.root].blocks} | {layout.size}
-        cuts |= {b.stop for b in self.specs.roots[layout.root].blocks}
+        blocks = self.specs.roots[layout.root].blocks  # the root's own cuts, not the chunk's size
+        cuts = {b.start for b in blocks} | {b.stop for b in blocks}
         demand = Demand(layout.root, lo, hi, reason=f"chunk [{lo}, {hi}) of {layout.root}")
         if (lo not in cuts or hi not in cuts) and demand not in self._demands:
             raise Misaligned(demand)
