@@ -110,13 +110,14 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
 
 
 def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
-         options: PlanOptions = PlanOptions(), dynamic: bool = True,
+         options: PlanOptions = PlanOptions(), dynamic: bool = True, stack_traces: bool = False,
          record: bool | Callable[[fx.GraphModule], str] = False,
          progress: Callable[[str], None] = lambda message: None) -> Planned:
     """Capture ``model``, run :data:`PLANNING_PASSES`, and plan for ``world_size`` ranks.
 
     ``progress`` receives a line once the graph is captured (planning a large model takes a
-    while after that).
+    while after that). ``stack_traces``: keep model lines in the graph, for the planner's
+    reasons (a sixth of export's time, so inspection asks for it and ``parallelize`` does not).
     """
     if isinstance(model, TPModule):
         raise CaptureError(
@@ -125,7 +126,7 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
             "not on its result")
     t0 = time.perf_counter()
     cap = capture(model, example_inputs, example_kwargs, dynamic=dynamic,
-                  static_dims=options.static_dims)
+                  static_dims=options.static_dims, stack_traces=stack_traces)
     t1 = time.perf_counter()
     progress(f"captured {len(cap.gm.graph.nodes)} graph nodes in {t1 - t0:.1f}s; planning for "
              f"{world_size} ranks")

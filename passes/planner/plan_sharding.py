@@ -32,7 +32,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from tpcompile.core.capture import Capture
+from tpcompile.core.capture import Capture, origin
 from tpcompile.errors import TPCompileError
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
@@ -40,7 +40,7 @@ from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import PARAM_MATMULS, rule_for
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
 from tpcompile.passes.planner.propagate import (
-    Constraints, Propagation, _same, propagate,
+    Constraints, Propagation, _same, local_slice, propagate,
 )
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
     regions = nx.Graph()
     regions.add_nodes_from(state.roots)
     regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
-    exits, leaks = set(), {}
+    exits, leaks, ends = set(), {}, {}
     for node, placement in state.placements.items():
         if placement is None or isinstance(placement, (Shard, list, tuple)):
             continue
@@ -111,10 +111,17 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
                 exits.add(p.layout.root)
     for (value, user), dst in state.conversions.items():
         src = state.placements.get(value)
-        if isinstance(src, Shard) and not isinstance(dst, Shard) and user.name not in state.fallbacks:
+        if not isinstance(src, Shard) or local_slice(state.specs, src, dst):
+            continue  # a re-shard that is no local slice gathers, like a conversion to R
+        refused = (f"{user.name} ({origin(user)}) reads {value.name} {src} as {dst}"
+                   if user.op != "output" else f"the model's output {value.name} is {src}")
+        if user.name in state.fallbacks:  # an op with no rule: where the region ends
+            ends.setdefault(src.layout.root, f"{user.name} ({origin(user)}): "
+                                             f"{state.fallbacks[user.name]}")
+        else:
             # a rule that needs the whole dim (a norm over features, the graph output): the
             # region leaks into replicated code and would gather there on every step
-            leaks.setdefault(src.layout.root, user.name)
+            leaks.setdefault(src.layout.root, refused)
     if options.loss_parallel:  # sharded logits handed to the user are an exit too
         exits |= {p.layout.root for a in state.output.all_input_nodes
                   if isinstance(p := _consumed(state, a, state.output), Shard)}
@@ -124,10 +131,17 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
         if leak is None and component & exits:
             continue
         users = sorted({u.name for r in component for u in state.root_users.get(r, ())})
-        why = (f"sharding it ({', '.join(users)}) would all-gather at {leak}" if leak is not None
-               else f"sharding it ({', '.join(users)}) never reaches a row-parallel consumer")
+        end = next((ends[r] for r in sorted(component) if r in ends), None)
+        if leak is not None:
+            why = f"sharding it ({', '.join(users)}) would all-gather where {leak}"
+        elif end is not None:
+            why = f"sharding it ({', '.join(users)}) would all-gather at {end}"
+        else:
+            why = (f"sharding it ({', '.join(users)}) never reaches a row-parallel consumer "
+                   "(no op sums its sharded dim)")
         for root in component:
             dead[root] = why
+    dead.update((r, why) for r, why in state.rejected.items() if r not in dead)
     return dead
 
 

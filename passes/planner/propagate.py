@@ -55,6 +55,7 @@ class Propagation:
     demands: list[Demand] = field(default_factory=list)
     fallbacks: dict[str, str] = field(default_factory=dict)
     links: list[tuple[str, str]] = field(default_factory=list)  # roots that meet in one op
+    rejected: dict[str, str] = field(default_factory=dict)      # root -> why a rule refused it
     root_users: dict[str, set] = field(default_factory=dict)    # root -> ops that shard it
     specs: Specs | None = None
     output: fx.Node | None = None
@@ -100,11 +101,12 @@ class OpView:
         else:
             self.required.pop(arg, None)
 
+    def reject(self, root: str, reason: str) -> None:
+        """Keep ``root`` whole from the next round on (its region stays otherwise as it is)."""
+        self._state.rejected.setdefault(root, reason)
+
     def overlaps(self, layout: Layout) -> bool:
         return self.specs.overlaps(layout)
-
-    def check_aligned(self, layout: Layout) -> None:
-        self.specs.ranges(layout)
 
     def require_block(self, layout: Layout) -> None:
         """The root indices ``layout`` covers must be whole blocks of its root's cut."""
@@ -228,6 +230,12 @@ class OpView:
         return Layout(name, size)
 
 
+def local_slice(specs: Specs, src, dst) -> bool:
+    """Converting ``src`` to ``dst`` needs no communication: each rank already holds its part."""
+    return (isinstance(src, Shard) and isinstance(dst, Shard) and src.dim == dst.dim
+            and specs.contains(src.layout, dst.layout))
+
+
 def _same(specs: Specs, a, b) -> bool:
     if isinstance(a, Shard) and isinstance(b, Shard):
         return a.dim == b.dim and specs.same(a.layout, b.layout)
@@ -272,11 +280,11 @@ def _visit(node, state, specs, constraints):
             reason = e.demand.reason
         except Exception as e:  # noqa: BLE001 - a rule that cannot follow an op replicates it
             log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
-            reason = f"sharding rule failed: {type(e).__name__}: {e}"
+            reason = f"{_reading(node, state)}: its sharding rule failed ({type(e).__name__}: {e})"
     elif not tensor_out:
         return None  # sizes (sym_size of dynamic dims), asserts: nothing to place or convert
     else:
-        reason = f"no sharding rule for {getattr(node.target, '__name__', node.target)}"
+        reason = f"{_reading(node, state)} has no sharding rule"
     op = OpView(node, state, specs, constraints)
     for a in inputs:
         op.require(a, Replicate())
@@ -289,9 +297,16 @@ def _visit(node, state, specs, constraints):
     return [Replicate()] * len(v) if isinstance(v, (list, tuple)) else Replicate()
 
 
+def _reading(node: fx.Node, state: Propagation) -> str:
+    """``stack.default of S(2), S(2)``: an op and the placements it was given."""
+    placements = ", ".join(str(state.placements.get(a)) for a in node.all_input_nodes
+                           if _is_tensor(a))
+    return f"{getattr(node.target, '__name__', node.target)} of {placements}"
+
+
 def _record(state: Propagation, node: fx.Node, required: dict) -> None:
     for arg, placement in required.items():
         state.conversions[(arg, node)] = placement
         src = state.placements.get(arg)
-        if isinstance(src, Shard) and isinstance(placement, Shard):
+        if local_slice(state.specs, src, placement):  # regions that must be cut alike
             state.links.append((src.layout.root, placement.layout.root))

@@ -367,14 +367,34 @@ def _sdpa(op):
                 op.require(arg, Replicate())
             return Replicate()
         return einsum_rule(op, operands, ["b", "h", "l", "f"])
-    group = Layout(pq.layout.root, hk, pq.layout.offset, pq.layout.scale * (hq // hk), 1)
-    op.check_aligned(group)
     hd = len(shape(k)) - 3
+    target = pq.layout
+    kv = [op.placement(k), op.placement(v)]
+    if hk >= op.specs.world_size and all(isinstance(p, Shard) and p.dim == hd for p in kv):
+        # k and v cut from their own weights (wk, wv): each rank's kv heads must be the
+        # groups its query heads read, i.e. k repeated hq // hk times lines up with q
+        repeated = [merge_layout(p.layout, hq // hk) for p in kv]
+        target = op.unify([(q, pq.layout)] + list(zip((k, v), repeated)))
+        if all(op.specs.same(target, r) for r in repeated):
+            _require_sdpa_heads(op, q, mask, hq, target)
+            return Shard(pq.dim, target)
+    for p in kv:  # kv heads that cannot follow the query heads' cut are computed whole
+        if isinstance(p, Shard):
+            op.reject(p.layout.root, f"{hk} kv heads cannot be cut like {hq} query heads over "
+                                     f"{op.specs.world_size} ranks: each rank reads whole kv heads")
+    # each rank slices the kv heads its query heads read (several ranks may read the same)
+    group = Layout(target.root, hk, target.offset, target.scale * (hq // hk), 1, cover=True)
     op.require(k, Shard(hd, group))
     op.require(v, Shard(hd, group))
+    _require_sdpa_heads(op, q, mask, hq, target)
+    return Shard(pq.dim, target)
+
+
+def _require_sdpa_heads(op, q, mask, hq: int, layout: Layout) -> None:
+    """q, and a mask with a head dim, on the heads ``layout`` gives each rank."""
+    op.require(q, Shard(len(shape(q)) - 3, layout))
     if isinstance(mask, fx.Node) and len(shape(mask)) >= 3 and shape(mask)[-3] == hq:
-        op.require(mask, Shard(len(shape(mask)) - 3, pq.layout))
-    return pq
+        op.require(mask, Shard(len(shape(mask)) - 3, layout))
 
 
 # --------------------------------------------------------------------------- reductions / norms

@@ -71,3 +71,15 @@ def test_kv_cache_is_switched_off_for_capture_and_restored(results):
     c = cases(results, 2, ("llama", False))[0]
     assert c["notes"] == ("captured with config.use_cache=False: the module returns no KV cache",)
     assert c["use_cache_after"] is True  # the user's config is left as it was
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_multi_query_attention_shards_query_heads(results, ws):
+    """One KV head: q_proj and o_proj are split by query heads, k_proj and v_proj stay whole on
+    every rank (Megatron's replicated KV), each rank slicing nothing but reading all of it."""
+    styles = cases(results, ws, ("llama_mqa", False))[0]["styles"]
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.self_attn."
+        assert styles[prefix + "q_proj.weight"] == "colwise"
+        assert styles[prefix + "o_proj.weight"] == "rowwise"
+        assert styles[prefix + "k_proj.weight"] == styles[prefix + "v_proj.weight"] == "replicate"

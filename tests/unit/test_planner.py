@@ -65,7 +65,7 @@ def test_lm_head_stays_replicated_with_a_reason():
     plan = plan_for("llama", 2)
     assert plan.styles()["output.weight"] == "replicate"
     assert "linear_14" in plan.replicated["output.weight"]
-    assert "all-gather at output" in plan.replicated["output.weight"]
+    assert "all-gather where the model's output linear_14 is S(2)" in plan.replicated["output.weight"]
     assert "output.weight" in str(plan)
 
 

@@ -157,11 +157,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: 
 
 
 def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None,
-            dynamic: bool = True, static_dims: tuple[int, ...] = ()) -> Capture:
+            dynamic: bool = True, static_dims: tuple[int, ...] = (),
+            stack_traces: bool = False) -> Capture:
     """Export ``model(*example_inputs, **example_kwargs)`` and unlift it into a GraphModule.
 
     ``static_dims``: input dims kept at their example size (sequence parallelism cuts dim 1
-    into fixed shards).
+    into fixed shards). ``stack_traces``: keep each node's model line (inspection names it;
+    graphs with in-place ops always keep them, so write conflicts name the line).
 
     Raises :class:`CaptureError` naming the model line export could not trace, with the fix.
     """
@@ -176,9 +178,9 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     try:
         with (_capture_settings(model, notes), forward_state_guard(model),
               custom_function_calls() as applied):
-            ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=False)
+            ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=stack_traces)
         refuse_custom_functions(applied)
-        if _writes_in_place(ep.graph_module):
+        if not stack_traces and _writes_in_place(ep.graph_module):
             with _capture_settings(model, []), forward_state_guard(model):
                 ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=True)
     except CaptureError:
@@ -191,7 +193,8 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     except Exception as e:  # noqa: BLE001 - every export failure becomes one actionable error
         if dynamic:
             try:
-                cap = capture(model, example_inputs, example_kwargs, dynamic=False)  # all static
+                cap = capture(model, example_inputs, example_kwargs, dynamic=False,  # all static
+                              stack_traces=stack_traces)
             except CaptureError:
                 pass
             else:
@@ -265,3 +268,25 @@ def set_tensor(root: nn.Module, fqn: str, value) -> None:
         mod._buffers[leaf] = value
     else:
         setattr(mod, leaf, value)
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node was traced in ('layers.0.attention.wo'), '' for the top level."""
+    if node.op == "get_attr":
+        return node.target.rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        return path if not path.startswith("_empty_nn_module_stack") else ""
+    return ""
+
+
+def origin(node: fx.Node) -> str:
+    """Where a node comes from in the model: its module path and, when the capture kept stack
+    traces (``explain`` does), the model's file and line: ``layers.1.attn, model.py:212``."""
+    where = [module_path(node) or "top level"]
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    frames = [f for f in frames if "/torch/" not in f[0]] or frames  # the model's, not nn.Linear's
+    if frames:
+        path, line = frames[-1]
+        where.append(f"{path.rsplit('/', 1)[-1]}:{line}")
+    return ", ".join(where)

@@ -55,6 +55,9 @@ class Layout:
     offset: int = 0
     scale: int = 1
     rep: int = 1
+    # a rank holds every index whose root unit its cut touches, not only whole ones: the kv
+    # heads a rank's query heads read when there are fewer kv heads than ranks
+    cover: bool = False
 
     def covered(self) -> tuple[int, int]:
         """The root indices this dimension spans."""
@@ -64,7 +67,7 @@ class Layout:
         extra = "".join(
             f"{k}={v}" for k, v in (("+", self.offset), ("*", self.scale), ("rep", self.rep))
             if v != (0 if k == "+" else 1)
-        )
+        ) + (" cover" if self.cover else "")
         return f"{self.root}[{self.size}{' ' + extra if extra else ''}]"
 
 
@@ -204,12 +207,12 @@ class Specs:
                 s, e = max(s, lo), min(e, hi)
                 if s >= e:
                     continue
-                if (s - lo) % layout.scale or (e - lo) % layout.scale:
+                if not layout.cover and ((s - lo) % layout.scale or (e - lo) % layout.scale):
                     raise Misaligned(Demand(
                         layout.root, lo, hi, layout.scale,
                         reason=f"{layout} needs {layout.root} cut in units of {layout.scale}"))
                 a = (s - lo) // layout.scale * layout.rep
-                b = min((e - lo) // layout.scale * layout.rep, layout.size)
+                b = min(-(-(e - lo) // layout.scale) * layout.rep, layout.size)
                 mine.append((a, b))
             out.append(merge_ranges(mine))
         return tuple(out)

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from tpcompile.core.capture import Capture
+from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.chains import Chain, find_chains
 from tpcompile.errors import TPCompileError
 from tpcompile.passes import pipeline
@@ -71,7 +71,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     n_params = sum(p.numel() for p in model.parameters())
     _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
     planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options,
-                            dynamic=dynamic, record=render or False,
+                            dynamic=dynamic, stack_traces=True, record=render or False,
                             progress=progress or (lambda message: None))
     cap, plan = planned.cap, planned.plan
     chains, chain_of = find_chains(cap.gm, plan)
@@ -97,16 +97,6 @@ def concrete_shape(value) -> list:
             s = int(hint) if hint is not None else str(s)
         out.append(int(s) if isinstance(s, int) else s)
     return out
-
-
-def module_path(node: fx.Node) -> str:
-    """The module a node was traced in ('layers.0.attention.wo'), '' for the top level."""
-    if node.op == "get_attr":
-        return node.target.rpartition(".")[0]
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in reversed(list(stack.values())):
-        return path if not path.startswith("_empty_nn_module_stack") else ""
-    return ""
 
 
 def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
