@@ -12,20 +12,15 @@ against the unsharded model. The victim's exit comes last: its process is gone a
 
 from __future__ import annotations
 
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))  # reliability_workers: the timing helper
-
-import tpcompile  # noqa: E402
-from reliability_workers import _timed  # noqa: E402
-from tpcompile.tools import models  # noqa: E402
-from tpcompile.tools.numerics import rel_err  # noqa: E402
+import tpcompile
+from tpcompile.tools import models
+from tpcompile.tools.numerics import rel_err
 
 CONFIG = dict(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, hidden=64, vocab=64, max_seq=32)
 BATCH, SEQ = 2, 8
@@ -42,6 +37,16 @@ def _step(tp, x, backward=True):
     if backward:
         y.float().sum().backward()
     return y
+
+
+def _timed(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+        return {"error": "no error", "seconds": time.monotonic() - start}
+    except Exception as e:  # noqa: BLE001 - the type is part of the result
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start,
+                "is_runtime_error": isinstance(e, RuntimeError)}
 
 
 def _sleep(timeout_s):

@@ -122,12 +122,16 @@ def test_a_rank_that_skips_a_collective_times_out_clearly(runs):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("phase", ["exited_backward", "exited_forward"])
 def test_a_rank_that_exits_makes_the_others_raise(runs, ws, phase):
-    """Its neighbours at once ("Connection closed by peer"); at 4 ranks a rank that only waits
-    for those neighbours may instead reach the timeout."""
-    for r in runs[ws][:-1]:
-        assert r[phase]["error"].startswith("CollectiveError: all_reduce on process group"), r
-        assert r[phase]["seconds"] <= TIMEOUT_S + 10
-    assert "Connection closed by peer" in runs[ws][0][phase]["error"]
+    """At 2 ranks at once ("Connection closed by peer"); at 4 ranks its ring neighbours at
+    once, and a rank that only waits for those neighbours at the latest at the timeout."""
+    survivors = [r[phase] for r in runs[ws][:-1]]
+    for r in survivors:
+        assert r["error"].startswith("CollectiveError: all_reduce on process group"), r
+        assert r["seconds"] <= TIMEOUT_S + 10
+    at_once = [r for r in survivors if r["seconds"] < TIMEOUT_S]
+    assert at_once and all("Connection closed by peer" in r["error"] for r in at_once)
+    if ws == 2:
+        assert survivors == at_once
 
 
 def _cell(r: dict) -> str:
