@@ -174,6 +174,18 @@ def test_token_ids_outside_a_replicated_embedding_are_named(value, text):
     assert str(e.value).startswith(text + "\n  hint: the unsharded model would raise IndexError")
 
 
+def test_token_ids_outside_a_vocabulary_parallel_embedding_are_named_before_the_graph():
+    """The in-graph check would raise after a peer may have entered the lookup's all-reduce."""
+    ids = torch.randint(0, 16, (2, 5))
+    gm, plan, _ = rewrite(cm.Embedder(vocab=16), (ids,), 2, 0, vocab_parallel=True)
+    assert plan.styles()["emb.weight"] == "vocab"
+    with pytest.raises(InputError) as e:
+        TPModule(gm, plan, 0, None)(ids.clone().fill_(16))
+    assert str(e.value).startswith("input ids: token id 16 is out of range for the embedding "
+                                   "emb.weight (16 rows): token ids must be in [0, 16), got "
+                                   "values from 16 to 16")
+
+
 def test_keyword_inputs_are_checked_by_name():
     model = models.build("gpt2")
     ids = models.example_inputs(model)[0]

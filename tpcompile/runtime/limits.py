@@ -133,9 +133,11 @@ def token_tables(gm: fx.GraphModule) -> tuple[TokenTable, ...]:
     for node in gm.graph.nodes:
         if node.target is _aten.embedding.default:
             rows = node.args[0].meta["val"].shape[0]  # an aten.embedding table holds every row
-        elif node.target is vocab_parallel_embedding and node.kwargs.get("vocab") is not None:
-            rows = node.kwargs["vocab"]
+        elif node.target is vocab_parallel_embedding:  # (weight, ids, start, stop, pad, vocab)
+            rows = node.kwargs.get("vocab", node.args[5] if len(node.args) > 5 else None)
         else:
+            continue
+        if rows is None:
             continue
         ids = node.args[1]
         while ids.op == "call_function" and ids.target in _SAME_VALUES:
