@@ -163,5 +163,5 @@ def _message(every: list[tuple[str, str | None]]) -> str:
              for text, rs in groups.items()]
     return ("ranks called the module with different inputs (dtypes and shapes, grad mode):\n"
             + "\n".join(lines) + "\n  hint: every rank of the tensor-parallel group must make the "
-            "same calls with inputs of the same shapes and dtypes (the same batch on every rank; "
-            "a data-parallel split goes across groups, not within one)")
+            "same calls (none skipped) with inputs of the same shapes and dtypes (the same batch "
+            "on every rank; a data-parallel split goes across groups, not within one)")
