@@ -4,7 +4,8 @@ from tpcompile.api import parallelize, plan_model
 from tpcompile.state.checkpoint import sharded_state_dict
 from tpcompile.compile.backend import backend, parallelized
 from tpcompile.errors import (
-    CaptureError, CollectiveError, InputError, MeshError, PlanError, PlanMismatchError, TPCompileError,
+    CaptureError, CollectiveError, InputError, InputMismatchError, MeshError, PlanError,
+    PlanMismatchError, TPCompileError,
 )
 from tpcompile.inspect.diff import GraphDiff, diff
 from tpcompile.compile.inductor import compile_options, mark_dynamic
@@ -21,7 +22,7 @@ __all__ = [
     "TPModule", "gather_full", "sharded_cross_entropy",
     "backend", "parallelized", "compile_options", "mark_dynamic",
     "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError", "PlanError", "InputError",
-    "CollectiveError",
+    "InputMismatchError", "CollectiveError",
     "load_full_state_dict", "sharded_state_dict",
     "to_empty", "init_shards", "buffers_of", "clip_grad_norm_", "grad_norm",
 ]

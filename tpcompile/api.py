@@ -18,6 +18,7 @@ from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.errors import MeshError
 from tpcompile.passes import pipeline
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
+from tpcompile.runtime.calls import check_mode
 from tpcompile.runtime.module import TPModule
 from tpcompile.runtime.timeouts import warn_if_unbounded
 
@@ -74,7 +75,7 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
 
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
                 vocab_parallel: bool = False, loss_parallel: bool = False,
-                sequence_parallel: bool = False) -> TPModule:
+                sequence_parallel: bool = False, check_calls: str = "new") -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
@@ -91,6 +92,11 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         sequence_parallel: Megatron-SP: norms, residual adds and dropout run on sequence
             shards (dim 1 of ``(batch, seq, features)`` activations); every all-reduce becomes
             a reduce-scatter and an all-gather. The sequence length is fixed to the example's.
+        check_calls: when the ranks compare a call's input shapes and dtypes before its
+            collectives (a mismatch is an ``InputMismatchError`` on every rank): ``"new"``
+            the first call with each new signature (later ones cost a dict lookup);
+            ``"every"`` every call, which also names a rank that skipped a call or a
+            backward (one tiny gloo all-reduce per call). See docs/guarantees.md.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -98,6 +104,7 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         lengths than ``example_inputs`` are accepted.
     """
     group, rank, world_size = resolve_group(mesh)
+    check_mode(check_calls)  # before planning, which takes a while
     warn_if_unbounded(group)
     options = PlanOptions(vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
                           sequence_parallel=sequence_parallel)
@@ -106,4 +113,4 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options)
         gm, _ = pipeline.rewrite(planned, rank, group.group_name)
         entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
-    return TPModule(gm, planned.plan, rank, group)
+    return TPModule(gm, planned.plan, rank, group, check_calls)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["TPCompileError", "CaptureError", "PlanMismatchError", "MeshError", "PlanError",
-           "InputError", "CollectiveError"]
+           "InputError", "InputMismatchError", "CollectiveError"]
 
 
 class TPCompileError(ValueError):
@@ -28,6 +28,13 @@ class PlanError(TPCompileError):
 
 class InputError(TPCompileError):
     """A call's inputs do not fit what was captured (rank, dtype, fixed sizes, token ids)."""
+
+
+class InputMismatchError(TPCompileError):
+    """Ranks called a parallelized module with different inputs (shapes, dtypes, grad mode or
+    call count), or one rank refused its inputs: raised on every rank instead of issuing
+    collectives that would pair mismatched buffers (an abort on gloo, a hang or garbage on NCCL).
+    """
 
 
 class CollectiveError(TPCompileError, RuntimeError):

@@ -1,7 +1,8 @@
-"""No hangs: ranks that disagree, fail, skip a collective or exit all end in a clear error.
+"""No hangs at parallelize: ranks that plan differently or fail to plan end in a clear error.
 
-One 2-rank spawn (tests/gloo/reliability_workers.py:failures) runs every scenario in turn; the
-process-group timeout of the collective scenarios is set short so the test stays quick.
+One 2-rank spawn (tests/gloo/reliability_workers.py:failures) runs every scenario in turn. What
+happens when a rank misbehaves later, at call time (another shape, a skipped forward or
+backward, a rank that exits), is the chaos matrix of tests/gloo/test_chaos.py.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from tpcompile.tools.launch import run_on_ranks
 pytestmark = pytest.mark.dist
 
 WORKERS = str(Path(__file__).parent / "reliability_workers.py")
-TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_on_ranks(f"{WORKERS}:failures", 2, TIMEOUT_S, timeout=600)
+    return run_on_ranks(f"{WORKERS}:failures", 2, timeout=600)
 
 
 def test_other_model_names_the_first_differing_entry_on_every_rank(ranks):
@@ -66,21 +66,3 @@ def test_a_very_long_process_group_timeout_is_warned_about(ranks):
     for r in ranks:
         assert len(r["long_timeout_warning"]) == 1
         assert "the process group's timeout is 2:00:00" in r["long_timeout_warning"][0]
-
-
-def test_a_rank_that_skips_a_collective_times_out_clearly(ranks):
-    r = ranks[0]["skipped"]
-    assert r["error"].startswith("CollectiveError: all_reduce on process group")
-    assert "failed on rank 0 of 2: Timed out waiting 5000ms" in r["error"]
-    assert "did not reach this collective" in r["error"]
-    assert "the process group's timeout (5 s)" in r["error"]
-    assert r["is_runtime_error"]  # also what torch raises for the same failure
-    assert TIMEOUT_S - 0.5 <= r["seconds"] <= TIMEOUT_S + 10
-
-
-@pytest.mark.parametrize("phase", ["exited_backward", "exited_forward"])
-def test_a_rank_that_exits_makes_the_others_raise_at_once(ranks, phase):
-    r = ranks[0][phase]
-    assert r["error"].startswith("CollectiveError: all_reduce on process group")
-    assert "Connection closed by peer" in r["error"]
-    assert r["seconds"] < TIMEOUT_S

@@ -141,6 +141,51 @@ def test_inputs_unlike_the_example_are_named(call, text):
     assert tp(torch.randn(5, 7, 64)).shape == (5, 7, 64)  # other batch and sequence sizes work
 
 
+@pytest.mark.parametrize("name, seq, text", [
+    ("llama", 80, "input tokens: dim 1 is 80 but the model supports at most 64 (the captured guard "
+                  "tokens.size()[1] <= 64; the model slices rope_cos (64 long in dim 0) by it)"),
+    ("gpt2", 65, "input idx: dim 1 is 65 but the model supports at most 64 (positions 0..63 index "
+                 "the 64 rows of wpe.weight)"),
+])
+def test_a_size_beyond_the_models_limit_is_named_with_its_origin(name, seq, text):
+    """Instead of `AssertionError: Guard failed: tokens.size()[1] <= 64` / `IndexError`."""
+    model = models.build(name)
+    tp = _tp(model, models.example_inputs(model))
+    with pytest.raises(InputError) as e:
+        tp(torch.zeros(2, seq, dtype=torch.int64))
+    assert str(e.value).startswith(text + "\n  hint: the limit is the model's")
+    assert tp(torch.zeros(2, 64, dtype=torch.int64)).shape == (2, 64, 128)  # the limit itself runs
+
+
+@pytest.mark.parametrize("value, text", [
+    (300, "input tokens: token id 300 is out of range for the embedding tok_embeddings.weight "
+          "(128 rows): token ids must be in [0, 128), got values from 0 to 300"),
+    (-1, "input tokens: token id -1 is out of range for the embedding tok_embeddings.weight "
+         "(128 rows): token ids must be in [0, 128), got values from -1 to 127"),
+])
+def test_token_ids_outside_a_replicated_embedding_are_named(value, text):
+    """Instead of torch's `IndexError: index out of range in self` inside the graph."""
+    model = models.build("llama")
+    tp = _tp(model, models.example_inputs(model))
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+    ids[0, 1], ids[1, 2] = value, 0 if value > 0 else 127
+    with pytest.raises(InputError) as e:
+        tp(ids)
+    assert str(e.value).startswith(text + "\n  hint: the unsharded model would raise IndexError")
+
+
+def test_token_ids_outside_a_vocabulary_parallel_embedding_are_named_before_the_graph():
+    """The in-graph check would raise after a peer may have entered the lookup's all-reduce."""
+    ids = torch.randint(0, 16, (2, 5))
+    gm, plan, _ = rewrite(cm.Embedder(vocab=16), (ids,), 2, 0, vocab_parallel=True)
+    assert plan.styles()["emb.weight"] == "vocab"
+    with pytest.raises(InputError) as e:
+        TPModule(gm, plan, 0, None)(ids.clone().fill_(16))
+    assert str(e.value).startswith("input ids: token id 16 is out of range for the embedding "
+                                   "emb.weight (16 rows): token ids must be in [0, 16), got "
+                                   "values from 16 to 16")
+
+
 def test_keyword_inputs_are_checked_by_name():
     model = models.build("gpt2")
     ids = models.example_inputs(model)[0]
@@ -172,6 +217,6 @@ def test_parallelize_on_its_own_result_is_refused():
 
 def test_errors_are_one_family():
     for cls in (CaptureError, InputError, PlanError, tpcompile.MeshError,
-                tpcompile.PlanMismatchError, tpcompile.CollectiveError):
+                tpcompile.PlanMismatchError, tpcompile.CollectiveError, tpcompile.InputMismatchError):
         assert issubclass(cls, tpcompile.TPCompileError)
     assert issubclass(tpcompile.CollectiveError, RuntimeError)

@@ -6,6 +6,14 @@ symbolic except those the model fixes (a feature width) and those of size 0 or 1
 message (``IndexError: tuple index out of range``), or, for a dtype, silently compute in
 another precision than the model would. :class:`InputSpec` turns each into an
 :class:`InputError` that names the input and says how to fix the call.
+
+Two limits come from the model rather than the example, and are checked too, with the limit and
+its origin in the message: the range export kept for a symbolic size (``tokens.size()[1] <= 64``
+where the model slices a 64-row position table by the sequence length; its graph would stop on
+a bare ``AssertionError: Guard failed``), and the rows of an embedding table indexed by an input
+(torch's bare ``IndexError: index out of range in self`` on CPU, a device-side assert that
+poisons the CUDA context on GPUs). Everything here is local: it runs before the call agreement
+(:mod:`tpcompile.runtime.calls`) and any collective.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from torch import fx
 from torch.fx import _pytree as fx_pytree
 
 from tpcompile.errors import InputError
+from tpcompile.runtime.limits import Limit, TokenTable, check_tokens, dim_limits, token_tables
 
 __all__ = ["InputSpec"]
 
@@ -39,6 +48,7 @@ class _Expected:
     name: str
     dtype: torch.dtype
     shape: tuple  # ints where the graph fixed the size, None where it is symbolic
+    limits: tuple = ()  # per dim: a Limit (the range export kept for a symbolic size) or None
 
 
 @dataclass(frozen=True)
@@ -48,21 +58,31 @@ class InputSpec:
     signature: inspect.Signature
     in_spec: object
     expected: tuple  # per flat input: _Expected, or None for non-tensor inputs
+    tables: tuple[TokenTable, ...] = ()  # embedding tables indexed by an input's values
 
     @staticmethod
     def of(gm: fx.GraphModule) -> "InputSpec":
         expected = []
         for node in gm.graph.find_nodes(op="placeholder"):
             v = node.meta.get("val")
-            expected.append(_Expected(node.name, v.dtype, tuple(map(_fixed, v.shape)))
+            expected.append(_Expected(node.name, v.dtype, tuple(map(_fixed, v.shape)),
+                                      dim_limits(gm, node))
                             if isinstance(v, torch.Tensor) else None)
-        return InputSpec(inspect.signature(gm.forward), gm._in_spec, tuple(expected))
+        return InputSpec(inspect.signature(gm.forward), gm._in_spec, tuple(expected),
+                         token_tables(gm))
 
-    def check(self, args: tuple, kwargs: dict) -> None:
+    def check(self, args: tuple, kwargs: dict) -> list:
+        """Raise an :class:`InputError` for a call the graph cannot run; the flat inputs."""
         flat = self._flatten(args, kwargs)
         for want, got in zip(self.expected, flat):
             if want is not None:
                 _check_one(want, got)
+        for want, got in zip(self.expected, flat):  # ranks, dtypes and fixed sizes first
+            for d, limit in enumerate(want.limits if want is not None else ()):
+                if limit is not None:
+                    limit.check(want.name, d, got.shape[d])
+        check_tokens(self.tables, flat)
+        return flat
 
     def _flatten(self, args, kwargs) -> list:
         try:

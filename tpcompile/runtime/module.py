@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from tpcompile.errors import TPCompileError
+from tpcompile.runtime.calls import CallCheck
 from tpcompile.runtime.inputs import InputSpec
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
@@ -23,7 +24,8 @@ __all__ = ["TPModule", "gather_full"]
 class TPModule(nn.Module):
     """A tensor-parallel module: this rank's shards plus the graph that uses them."""
 
-    def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group):
+    def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group,
+                 check_calls: str = "new"):
         super().__init__()
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -34,10 +36,15 @@ class TPModule(nn.Module):
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
         object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
+        # ranks agree on each new call before the graph's collectives (a collective itself:
+        # every rank of the group constructs its TPModule at the same point, in parallelize)
+        object.__setattr__(self, "call_check", CallCheck(group, check_calls))
 
     def forward(self, *args, **kwargs):
-        if not torch.compiler.is_compiling():
-            self.input_spec.check(args, kwargs)  # an InputError, not a failure deep inside
+        if not torch.compiler.is_compiling():  # compiled: the graph's own guards only
+            # an InputError (or, ranks disagreeing, an InputMismatchError on every rank), not
+            # a failure deep inside the graph or a collective pairing mismatched buffers
+            self.call_check(self.input_spec, args, kwargs)
         return self.graph_module(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):

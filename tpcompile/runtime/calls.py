@@ -1,0 +1,167 @@
+"""Ranks agree on a call's inputs before the model's first collective.
+
+``parallelize`` proves that ranks planned the same graph; each call must still feed every rank
+the same shapes. If rank 0 calls with 16 tokens and rank 1 with 24, their all-reduces pair
+buffers of different sizes: gloo aborts the process (``op.preamble.length <= op.nbytes``),
+NCCL hangs or reads garbage. :class:`CallCheck` compares a description of the call (every
+input's dtype and shape, other arguments, grad mode) across the group with one all-reduce of
+``[digest, -digest]`` (MAX: every rank learns max and min at once) and raises
+:class:`InputMismatchError` on every rank when they differ, before any model collective.
+
+The check runs on a separate gloo group over the same ranks, never on the model's group: a
+rank that checks while a peer is already inside a model collective (or still in its backward)
+must not pair with it. On its own group a check that nobody answers ends as a
+:class:`CollectiveError` after the group's timeout, like any lost collective, instead of an
+abort. Its values live on the CPU, so an NCCL model pays no device sync for it.
+
+Modes (``parallelize(check_calls=...)``):
+
+- ``"new"`` (default): check a call whose description this module has not agreed on before,
+  then remember it; a repeated call costs a dict lookup. Every rank's cache holds the same
+  entries (only agreed calls enter it), so ranks all check or all skip *while they agree*.
+  A rank that repeats an agreed call while a peer brings a new one is not caught as a
+  mismatch: the peer's check and the rank's model collective wait on different groups and both
+  end in a ``CollectiveError`` after the timeout. A rank that skips a backward and calls forward
+  again is not caught at all (its forward's collectives pair with the peer's backward's).
+- ``"every"``: check every call, counting them, so a rank that skipped a forward or a backward
+  (its next forward meets a peer still in a backward) or lost a call is named too. One tiny
+  gloo all-reduce per call; see docs/performance.md for its cost.
+
+A rank whose inputs fail its own checks (:class:`InputError`: a token id out of range, a
+sequence beyond the model's limit) still takes part when a check is due, so its peers raise
+``InputMismatchError`` naming its error instead of waiting for it. After an
+``InputMismatchError`` no collective of the model was issued: the module and the group stay
+usable for the next, agreed call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from tpcompile.errors import InputError, InputMismatchError
+from tpcompile.runtime.timeouts import collective_failure, group_timeout
+
+__all__ = ["CallCheck", "MODES", "check_mode", "describe", "side_group"]
+
+MODES = ("new", "every")
+CACHE_LIMIT = 4096  # agreed descriptions kept; cleared on every rank at the same call
+_SIDE: dict[str, tuple] = {}  # group name -> (group, its gloo side group)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"check_calls must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def side_group(group):
+    """The gloo group over ``group``'s ranks that call checks use (one per group, made once).
+
+    Every rank of ``group`` creates it at the same point (``parallelize`` on each rank); ranks
+    outside the group need not take part (``use_local_synchronization``).
+    """
+    cached = _SIDE.get(group.group_name)
+    if cached is None or cached[0] is not group:  # a group re-created under the same name
+        side = dist.new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group),
+                              backend="gloo", use_local_synchronization=True, sort_ranks=False,
+                              group_desc=f"tpcompile_calls_{group.group_name}")
+        cached = _SIDE[group.group_name] = (group, side)
+    return cached[1]
+
+
+def _leaf(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')}[{', '.join(map(str, x.shape))}]"
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)[:40]
+    return type(x).__name__
+
+
+def describe(args: tuple, kwargs: dict) -> str:
+    """What ranks must agree on about a call: ``(int64[2, 16], mask=bool[2, 16]), grad``."""
+    parts = [", ".join(_leaf(x) for x in pytree.tree_leaves(a)) or "()" for a in args]
+    parts += [f"{k}={', '.join(_leaf(x) for x in pytree.tree_leaves(v))}" for k, v in kwargs.items()]
+    return f"({', '.join(parts)}), {'grad' if torch.is_grad_enabled() else 'no grad'}"
+
+
+def _digest(text: str) -> int:
+    """A positive int64; 0 is reserved for 'this rank refused its inputs'."""
+    return (int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2) + 1
+
+
+class CallCheck:
+    """Checks each call of one module: local input checks, then agreement across ranks."""
+
+    def __init__(self, group, mode: str = "new"):
+        self.group, self.mode = group, check_mode(mode)
+        self.side = side_group(group) if group is not None and dist.get_world_size(group) > 1 else None
+        self.agreed: set[str] = set()
+        self.calls = 0
+
+    def __call__(self, spec, args: tuple, kwargs: dict) -> None:
+        try:
+            spec.check(args, kwargs)
+            refusal = None
+        except InputError as e:
+            refusal = e
+        if self.side is None:
+            if refusal is not None:
+                raise refusal
+            return
+        text = describe(args, kwargs)
+        if self.mode == "new" and text in self.agreed:
+            if refusal is not None:  # peers with this call skip the check: nothing to tell them
+                raise refusal
+            return
+        if self.mode == "every":
+            self.calls += 1
+            text = f"call {self.calls}: {text}"
+        self._agree(text, refusal)
+        if self.mode == "new":
+            if len(self.agreed) >= CACHE_LIMIT:
+                self.agreed.clear()
+            self.agreed.add(text)
+
+    def _agree(self, text: str, refusal: InputError | None) -> None:
+        d = 0 if refusal is not None else _digest(text)
+        both = torch.tensor([d, -d], dtype=torch.int64)
+        self._run(lambda: dist.all_reduce(both, dist.ReduceOp.MAX, group=self.side))
+        if refusal is None and both[0] == -both[1]:  # max == min == mine: all agree
+            return
+        mine = (text, None if refusal is None else f"{type(refusal).__name__}: "
+                f"{str(refusal).splitlines()[0]}")
+        every = [None] * dist.get_world_size(self.side)
+        self._run(lambda: dist.all_gather_object(every, mine, group=self.side))
+        if refusal is not None:
+            raise refusal
+        raise InputMismatchError(_message(every))
+
+    def _run(self, collective) -> None:
+        timeout = group_timeout(self.group)  # the model group's, even if changed since
+        if timeout is not None and timeout != group_timeout(self.side):
+            dist.distributed_c10d._set_pg_timeout(timeout, self.side)
+        try:
+            collective()
+        except RuntimeError as e:
+            raise collective_failure("the call check (an all_reduce)", self.side, e) from e
+
+
+def _message(every: list[tuple[str, str | None]]) -> str:
+    refused = [(r, why) for r, (_, why) in enumerate(every) if why is not None]
+    if refused:
+        rank, why = refused[0]
+        return (f"rank {rank} refused its inputs ({why}); every rank stops here instead of "
+                "issuing the model's collectives")
+    groups: dict[str, list[int]] = {}
+    for rank, (text, _) in enumerate(every):
+        groups.setdefault(text, []).append(rank)
+    lines = [f"  {'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs}: {text}"
+             for text, rs in groups.items()]
+    return ("ranks called the module with different inputs (dtypes and shapes, grad mode):\n"
+            + "\n".join(lines) + "\n  hint: every rank of the tensor-parallel group must make the "
+            "same calls (none skipped) with inputs of the same shapes and dtypes (the same batch "
+            "on every rank; a data-parallel split goes across groups, not within one)")
