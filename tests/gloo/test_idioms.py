@@ -30,7 +30,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "linear_subclass_matmul": (2, 4),  # x @ self.weight.T in a Linear subclass
     "moe_stacked_bmm": (2, 4),         # stacked (experts, out, in) weights through bmm
     # complex RoPE, view(bs, seqlen, -1, head_dim), SDPA(enable_gqa=True) with 8 q / 2 kv
-    # heads; at 4 ranks (fewer kv heads than ranks) its attention still stays replicated
-    "torchtitan_llama3": (2,),
+    # heads: at 4 ranks each rank reads whole kv heads (replicated kv weights)
+    "torchtitan_llama3": (2, 4),
+    "mqa": (2, 4),                     # 1 kv head, repeat_kv by expand + reshape
+    "mqa_sdpa_broadcast": (2, 4),      # 1 kv head broadcast inside SDPA
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
