@@ -114,7 +114,8 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
         if not isinstance(src, Shard) or local_slice(state.specs, src, dst):
             continue  # a re-shard that is no local slice gathers, like a conversion to R
         refused = (f"{user.name} ({origin(user)}) reads {value.name} {src} as {dst}"
-                   if user.op != "output" else f"the model's output {value.name} is {src}")
+                   if user.op != "output" else f"the model's output {value.name} is {src} "
+                   "(outputs are whole; loss_parallel=True keeps logits sharded)")
         if user.name in state.fallbacks:  # an op with no rule: where the region ends
             ends.setdefault(src.layout.root, f"{user.name} ({origin(user)}): "
                                              f"{state.fallbacks[user.name]}")

@@ -66,8 +66,10 @@ def side_group(group):
     """
     cached = _SIDE.get(group.group_name)
     if cached is None or cached[0] is not group:  # a group re-created under the same name
+        # gloo beside NCCL too (a CPU int64 pair); a fake group (planning tests) stays fake
+        backend = "fake" if dist.get_backend(group) == "fake" else "gloo"
         side = dist.new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group),
-                              backend="gloo", use_local_synchronization=True, sort_ranks=False,
+                              backend=backend, use_local_synchronization=True, sort_ranks=False,
                               group_desc=f"tpcompile_calls_{group.group_name}")
         cached = _SIDE[group.group_name] = (group, side)
     return cached[1]
