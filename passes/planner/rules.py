@@ -177,8 +177,7 @@ def _pointwise(linear):
 
 UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
-    aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default, aten.type_as.default,
+    aten.detach.default, aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default,
 ]
 POINTWISE = [
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
@@ -192,6 +191,17 @@ POINTWISE = [
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
 ]
 register(*UNARY_LINEAR)(_pointwise("unary"))
+
+
+@register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
+def _cast(op):
+    """A cast is linear into a floating (or complex) dtype; into integers or bool it rounds,
+    so a partial sum is reduced first. Only ``args[0]`` is data (``type_as``'s other operand
+    gives a dtype)."""
+    x, out = op.node.args[0], val(op.node)
+    linear = "unary" if out.dtype.is_floating_point or out.dtype.is_complex else None
+    labels = list(range(len(shape(op.node))))
+    return einsum_rule(op, [(x, labels)], labels, linear)
 
 
 def _localize_dropout(node, local):
