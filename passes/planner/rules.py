@@ -216,7 +216,15 @@ def _localize_dropout(node, local):
 register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
-register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
+register(aten.mul.Tensor, operator.mul)(_pointwise("mul"))
+
+
+@register(aten.div.Tensor, operator.truediv)
+def _divide(op):
+    """Linear in the dividend only: a partial divisor is reduced first."""
+    divisor = op.node.args[1]
+    partial = isinstance(divisor, fx.Node) and isinstance(op.placement(divisor), Partial)
+    return _pointwise(None if partial else "mul")(op)
 
 
 def _in_place(propagate):
