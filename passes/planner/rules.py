@@ -279,9 +279,12 @@ def _linear(op):
     x_labels = list(range(n - 1)) + ["k"]
     out_labels = list(range(n - 1)) + ["n"]
     operands = [(x, x_labels), (w, ["n", "k"])]
-    if len(op.node.args) > 2 and op.node.args[2] is not None:
+    bias = len(op.node.args) > 2 and op.node.args[2] is not None
+    if bias:
         operands.append((op.node.args[2], ["n"]))
-    return einsum_rule(op, operands, out_labels, linear="mul", matmul=True)
+    # x @ w.T + b is affine, not linear: with a bias no rank may add its own copy of it to a
+    # partial sum (split_bias_pass leaves the planner bias-free linears anyway)
+    return einsum_rule(op, operands, out_labels, linear=None if bias else "mul", matmul=True)
 
 
 def _matmul_labels(sa, sb):
