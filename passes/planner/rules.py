@@ -378,16 +378,20 @@ def _sdpa(op):
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
         # is_causal masks by *local* query index: query rows cut by position (sequence
         # parallelism) would each be masked as if they started at 0, so they are gathered
-        operands = [(q, ["b", "h", None if causal else "l", "e"]), (k, ["b", "h", "s", "e"]),
-                    (v, ["b", "h", "s", "f"])]
+        # labels align from the right: (..., heads, L, E); 3-D inputs have no batch dim
+        def labels(x, tail):
+            n = len(shape(x))
+            return [f"b{n - 3 - i}" for i in range(n - 3)] + tail[max(3 - n, 0):]
+        operands = [(q, labels(q, ["h", None if causal else "l", "e"])),
+                    (k, labels(k, ["h", "s", "e"])), (v, labels(v, ["h", "s", "f"]))]
         if isinstance(mask, fx.Node):
-            names = ["b", "h", "l", "s"][4 - len(shape(mask)):]
+            names = labels(q, ["h", "l", "s"])[len(shape(q)) - len(shape(mask)):]
             operands.append((mask, [None if s == 1 else lab for lab, s in zip(names, shape(mask))]))
         if hq != hk:  # gqa with q replicated: nothing to align, keep all replicated
             for arg, _ in operands:
                 op.require(arg, Replicate())
             return Replicate()
-        return einsum_rule(op, operands, ["b", "h", "l", "f"])
+        return einsum_rule(op, operands, labels(q, ["h", "l", "f"]))
     group = Layout(pq.layout.root, hk, pq.layout.offset, pq.layout.scale * (hq // hk), 1)
     op.check_aligned(group)
     hd = len(shape(k)) - 3
