@@ -597,8 +597,9 @@ def _localize_dim_op(node, local):
             sizes = list(node.args[2])
             sizes[0] = dims[0][1]
             local.set_arg(node, 2, sizes)
-    elif node.target is aten.slice.Tensor and local.input_sharded_on(node, node.args[1]):
-        local.set_arg(node, 3, None if len(node.args) < 4 else 2**63 - 1)
+    elif node.target is aten.slice.Tensor and len(node.args) > 3 and local.input_sharded_on(
+            node, node.args[1]):  # shorter: the end is already open
+        local.set_arg(node, 3, 2**63 - 1)
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
