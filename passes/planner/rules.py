@@ -493,6 +493,7 @@ def _map_view(node, p: Shard):
 
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 
 
 @register(*VIEWS, aten.transpose.int, aten.t.default, aten.permute.default,
@@ -597,6 +598,15 @@ def _localize_dim_op(node, local):
             sizes = list(node.args[2])
             sizes[0] = dims[0][1]
             local.set_arg(node, 2, sizes)
+    elif node.target in SQUEEZES and isinstance(local.consumed(node.args[0], node), Shard):
+        # a rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims
+        # that are 1 long in the whole tensor
+        x = node.args[0]
+        n = len(shape(x))
+        asked = node.args[1] if len(node.args) > 1 else range(n)
+        asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
+        dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
+        local.replace_target(node, aten.squeeze.dims, (x, dims))
     elif node.target is aten.slice.Tensor and len(node.args) > 3 and local.input_sharded_on(
             node, node.args[1]):  # shorter: the end is already open
         local.set_arg(node, 3, 2**63 - 1)
