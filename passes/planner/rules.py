@@ -526,6 +526,8 @@ def _map_dim(node, p: Shard):
     n_in, n_out = len(shape(args[0])), len(shape(node))
     d = p.dim
     if t in (aten.transpose.int, aten.t.default):
+        if n_in < 2:  # t() of a vector is the vector
+            return p
         a, b = (norm_dim(args[1], n_in), norm_dim(args[2], n_in)) if len(args) > 2 else (0, 1)
         return Shard(b if d == a else a if d == b else d, p.layout)
     if t is aten.permute.default:
