@@ -594,12 +594,12 @@ def _map_dim(node, p: Shard):
 def _localize_dim_op(node, local):
     if node.target in VIEWS or node.target is aten.expand.default:
         _local_shape_arg(1)(node, local)
-    elif node.target is aten.unflatten.int:
-        dims = local.sharded_out_dims(node)
-        if dims:
-            sizes = list(node.args[2])
-            sizes[0] = dims[0][1]
-            local.set_arg(node, 2, sizes)
+    elif node.target is aten.unflatten.int and local.input_sharded_on(node, node.args[1]):
+        # the shard lands on the first of the unflattened sizes; shards of other dims change none
+        sizes = list(node.args[2])
+        (p,) = local.out_placements(node)
+        sizes[0] = local.local_size(p)
+        local.set_arg(node, 2, sizes)
     elif node.target in SQUEEZES and isinstance(local.consumed(node.args[0], node), Shard):
         # a rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims
         # that are 1 long in the whole tensor
