@@ -513,6 +513,9 @@ def _dim_op(op):
     if mapped is None:
         op.require(x, Replicate())
         return Replicate()
+    # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
+    # the planner adds), not when the rewrite asks for the rank's size
+    op.check_aligned(mapped.layout)
     return mapped
 
 
