@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 import random
 import warnings
 import zlib
@@ -83,7 +84,7 @@ KNOWN = {
     "dropout_p1": (
         lambda node, inputs: node.target is aten.dropout.default and node.args[1] == 1.0
         and node.args[2] and any(isinstance(p, Shard) for p in inputs.values()),
-        "tpcompile.runtime.rng.sharded_dropout with p=1 scales its mask by 1/(1-p): 0 * inf = "
+        "tpcompile.runtime.rng.sharded_dropout with p=1 divides its all-zero mask by 1-p = 0: "
         "NaN where aten.dropout returns zeros (a runtime fix, outside the rule table)"),
 }
 
@@ -207,9 +208,8 @@ def _collect():
             except Exception:  # noqa: BLE001 - samples make_fx cannot trace (data-dependent)
                 continue
             for n in gm.graph.nodes:
-                if n.op != "call_function" or n.target not in RULES or n.target is getattr(
-                        __import__("operator"), "getitem"):
-                    continue
+                if n.op != "call_function" or n.target not in RULES or n.target is operator.getitem:
+                    continue  # getitem only selects a split's output: checked with the split
                 k = _key(n)
                 if k in seen:
                     continue
