@@ -45,6 +45,9 @@ class Constraints:
     tied: set[str] = field(default_factory=set)             # roots embeddings must follow
     reduce_early: set[str] = field(default_factory=set)     # partial sums every consumer reads reduced
     seq_len: int | None = None                              # sequence parallelism: static length
+    # placeholder name -> its placement (default Replicate). It exists for rule tests
+    # (tests/unit/test_rule_soundness.py); a Shard's root is cut as RootSpec.build would.
+    inputs: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,6 +110,10 @@ class OpView:
 
     def overlaps(self, layout: Layout) -> bool:
         return self.specs.overlaps(layout)
+
+    def check_aligned(self, layout: Layout) -> None:
+        """Raise :class:`Misaligned` (a demand on the root) if ``layout`` cuts through a unit."""
+        self.specs.ranges(layout)
 
     def require_block(self, layout: Layout) -> None:
         """The root indices ``layout`` covers must be whole blocks of its root's cut."""
@@ -249,7 +256,11 @@ def propagate(gm: fx.GraphModule, world_size: int, constraints: Constraints) -> 
     state.specs = specs
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
-            state.placements[node] = Replicate() if _is_tensor(node) else None
+            p = constraints.inputs.get(node.name, Replicate()) if node.op == "placeholder" else Replicate()
+            if isinstance(p, Shard) and p.layout.root not in specs.roots:
+                mine = [d for d in constraints.demands if d.root == p.layout.root]
+                specs.roots[p.layout.root] = RootSpec.build(p.layout.root, p.layout.size, world_size, mine)
+            state.placements[node] = p if _is_tensor(node) else None
             continue
         if node.op == "output":
             state.output = node

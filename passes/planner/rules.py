@@ -177,8 +177,7 @@ def _pointwise(linear):
 
 UNARY_LINEAR = [
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
-    aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default, aten.type_as.default,
+    aten.detach.default, aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default,
 ]
 POINTWISE = [
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
@@ -194,6 +193,17 @@ POINTWISE = [
 register(*UNARY_LINEAR)(_pointwise("unary"))
 
 
+@register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
+def _cast(op):
+    """A cast is linear into a floating (or complex) dtype; into integers or bool it rounds,
+    so a partial sum is reduced first. Only ``args[0]`` is data (``type_as``'s other operand
+    gives a dtype)."""
+    x, out = op.node.args[0], val(op.node)
+    linear = "unary" if out.dtype.is_floating_point or out.dtype.is_complex else None
+    labels = list(range(len(shape(op.node))))
+    return einsum_rule(op, [(x, labels)], labels, linear)
+
+
 def _localize_dropout(node, local):
     """A sharded dropout draws the whole tensor's mask and keeps its slice (see tpcompile.runtime.rng)."""
     (p,) = local.out_placements(node)
@@ -206,7 +216,15 @@ def _localize_dropout(node, local):
 register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
-register(aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv)(_pointwise("mul"))
+register(aten.mul.Tensor, operator.mul)(_pointwise("mul"))
+
+
+@register(aten.div.Tensor, operator.truediv)
+def _divide(op):
+    """Linear in the dividend only: a partial divisor is reduced first."""
+    divisor = op.node.args[1]
+    partial = isinstance(divisor, fx.Node) and isinstance(op.placement(divisor), Partial)
+    return _pointwise(None if partial else "mul")(op)
 
 
 def _in_place(propagate):
@@ -261,9 +279,12 @@ def _linear(op):
     x_labels = list(range(n - 1)) + ["k"]
     out_labels = list(range(n - 1)) + ["n"]
     operands = [(x, x_labels), (w, ["n", "k"])]
-    if len(op.node.args) > 2 and op.node.args[2] is not None:
+    bias = len(op.node.args) > 2 and op.node.args[2] is not None
+    if bias:
         operands.append((op.node.args[2], ["n"]))
-    return einsum_rule(op, operands, out_labels, linear="mul", matmul=True)
+    # x @ w.T + b is affine, not linear: with a bias no rank may add its own copy of it to a
+    # partial sum (split_bias_pass leaves the planner bias-free linears anyway)
+    return einsum_rule(op, operands, out_labels, linear=None if bias else "mul", matmul=True)
 
 
 def _matmul_labels(sa, sb):
@@ -357,16 +378,20 @@ def _sdpa(op):
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
         # is_causal masks by *local* query index: query rows cut by position (sequence
         # parallelism) would each be masked as if they started at 0, so they are gathered
-        operands = [(q, ["b", "h", None if causal else "l", "e"]), (k, ["b", "h", "s", "e"]),
-                    (v, ["b", "h", "s", "f"])]
+        # labels align from the right: (..., heads, L, E); 3-D inputs have no batch dim
+        def labels(x, tail):
+            n = len(shape(x))
+            return [f"b{n - 3 - i}" for i in range(n - 3)] + tail[max(3 - n, 0):]
+        operands = [(q, labels(q, ["h", None if causal else "l", "e"])),
+                    (k, labels(k, ["h", "s", "e"])), (v, labels(v, ["h", "s", "f"]))]
         if isinstance(mask, fx.Node):
-            names = ["b", "h", "l", "s"][4 - len(shape(mask)):]
+            names = labels(q, ["h", "l", "s"])[len(shape(q)) - len(shape(mask)):]
             operands.append((mask, [None if s == 1 else lab for lab, s in zip(names, shape(mask))]))
         if hq != hk:  # gqa with q replicated: nothing to align, keep all replicated
             for arg, _ in operands:
                 op.require(arg, Replicate())
             return Replicate()
-        return einsum_rule(op, operands, ["b", "h", "l", "f"])
+        return einsum_rule(op, operands, labels(q, ["h", "l", "f"]))
     hd = len(shape(k)) - 3
     target = pq.layout
     kv = [op.placement(k), op.placement(v)]
@@ -488,6 +513,7 @@ def _map_view(node, p: Shard):
 
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 
 
 @register(*VIEWS, aten.transpose.int, aten.t.default, aten.permute.default,
@@ -507,6 +533,9 @@ def _dim_op(op):
     if mapped is None:
         op.require(x, Replicate())
         return Replicate()
+    # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
+    # the planner adds), not when the rewrite asks for the rank's size
+    op.check_aligned(mapped.layout)
     return mapped
 
 
@@ -520,6 +549,8 @@ def _map_dim(node, p: Shard):
     n_in, n_out = len(shape(args[0])), len(shape(node))
     d = p.dim
     if t in (aten.transpose.int, aten.t.default):
+        if n_in < 2:  # t() of a vector is the vector
+            return p
         a, b = (norm_dim(args[1], n_in), norm_dim(args[2], n_in)) if len(args) > 2 else (0, 1)
         return Shard(b if d == a else a if d == b else d, p.layout)
     if t is aten.permute.default:
@@ -586,14 +617,24 @@ def _map_dim(node, p: Shard):
 def _localize_dim_op(node, local):
     if node.target in VIEWS or node.target is aten.expand.default:
         _local_shape_arg(1)(node, local)
-    elif node.target is aten.unflatten.int:
-        dims = local.sharded_out_dims(node)
-        if dims:
-            sizes = list(node.args[2])
-            sizes[0] = dims[0][1]
-            local.set_arg(node, 2, sizes)
-    elif node.target is aten.slice.Tensor and local.input_sharded_on(node, node.args[1]):
-        local.set_arg(node, 3, None if len(node.args) < 4 else 2**63 - 1)
+    elif node.target is aten.unflatten.int and local.input_sharded_on(node, node.args[1]):
+        # the shard lands on the first of the unflattened sizes; shards of other dims change none
+        sizes = list(node.args[2])
+        (p,) = local.out_placements(node)
+        sizes[0] = local.local_size(p)
+        local.set_arg(node, 2, sizes)
+    elif node.target in SQUEEZES and isinstance(local.consumed(node.args[0], node), Shard):
+        # a rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims
+        # that are 1 long in the whole tensor
+        x = node.args[0]
+        n = len(shape(x))
+        asked = node.args[1] if len(node.args) > 1 else range(n)
+        asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
+        dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
+        local.replace_target(node, aten.squeeze.dims, (x, dims))
+    elif node.target is aten.slice.Tensor and len(node.args) > 3 and local.input_sharded_on(
+            node, node.args[1]):  # shorter: the end is already open
+        local.set_arg(node, 3, 2**63 - 1)
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
