@@ -6,9 +6,10 @@ the conversions (gathers, all-reduces, local slices) consumers need. The planner
 (:mod:`tpcompile.passes.planner.plan_sharding`) calls it repeatedly while it refines those inputs.
 
 Column parallelism is decided here, locally: a matmul whose activation is replicated and whose
-weight is a trainable parameter shards that weight's output features (a new *root*, named by
-the weight); a matmul whose activation arrives sharded on the contracted dim shards its
-weight's input features to match (row parallel) and produces a Partial sum. Chains therefore
+weight is a trainable parameter, or a view of one, shards the weight's label that only it and
+the output carry (a new *root*, named by the parameter); a matmul whose activation arrives
+sharded on the contracted dim shards its weight's input features to match (row parallel) and
+produces a Partial sum. Chains therefore
 alternate column -> row exactly as Megatron's do, whatever the modules are called. The
 planner's accumulated decisions arrive as :class:`Constraints`.
 """
