@@ -18,6 +18,7 @@ from torch import fx
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE
+from tpcompile.passes.planner.plan_sharding import view_chain
 from tpcompile.passes.planner.rules import PARAM_MATMULS
 
 __all__ = ["Chain", "find_chains", "layer_of"]
@@ -117,12 +118,13 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan) -> Chain:
         if entry is not None and isinstance(entry.placement, Shard):
             fqn = entry.aliases[0]
             by_style.setdefault(entry.style, []).append(fqn)
-            for user in node.users:
+            weight = view_chain(node)[-1]  # the weight as its matmul reads it (w.t(), w.T, w)
+            for user in weight.users:
                 if entry.style == "rowwise" and user.name not in exits:
                     exits.append(user.name)
-                is_weight = user.target in PARAM_MATMULS and user.args[1] is node
-                if entry.style == "colwise" and is_weight and user.args[0].name not in entries:
-                    entries.append(user.args[0].name)
+                if entry.style == "colwise" and user.target in PARAM_MATMULS:
+                    entries.extend(a.name for a in user.all_input_nodes  # the activations
+                                   if a is not weight and a.op != "get_attr" and a.name not in entries)
     params = by_style["colwise"] + by_style["rowwise"] + by_style["replicate"]
     owners = [p.rpartition(".")[0] for p in params] or [nodes[0].name]
     name = _common_path(owners) or owners[0]
