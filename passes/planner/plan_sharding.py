@@ -37,7 +37,7 @@ from tpcompile.errors import TPCompileError
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.rules import PARAM_MATMULS, rule_for
+from tpcompile.passes.planner.rules import LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, rule_for
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
 from tpcompile.passes.planner.propagate import (
     Constraints, Propagation, _same, local_slice, propagate,
@@ -196,7 +196,7 @@ def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
     for root in state.roots:
         w = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == root), None)
         for user in (w.users if w is not None else ()):
-            if user.target is torch.ops.aten.embedding.default and not isinstance(
+            if user.target in LOOKUPS and not isinstance(
                     _consumed(state, w, user), Shard):
                 out.add(root)
     return out
@@ -316,7 +316,7 @@ def _style(node: fx.Node, state: Propagation) -> str:
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
     users = view_chain(node)[-1].users
-    if any(u.target is torch.ops.aten.embedding.default for u in users):
+    if any(u.target in LOOKUPS for u in users):
         return "vocab"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"
@@ -339,7 +339,7 @@ def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: 
     if len(users) > 1:
         return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
     user = users[0] if users else None
-    if user is not None and user.target is torch.ops.aten.linear.default and shape(node)[0] < ws:
+    if user is not None and user.target in OUT_FEATURES_FIRST and shape(node)[0] < ws:
         return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
     if user is not None and user.target in PARAM_MATMULS:
         return "its matmul's input is not sharded on a dim it can split"

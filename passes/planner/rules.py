@@ -34,7 +34,7 @@ from tpcompile.passes.planner.dims import (
 
 aten = torch.ops.aten
 
-__all__ = ["Rule", "RULES", "PARAM_MATMULS", "rule_for", "einsum_rule"]
+__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "rule_for", "einsum_rule"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Rule:
 
 RULES: dict = {}
 PARAM_MATMULS: set = set()  # ops whose parameter operand may start a column-parallel root
+LOOKUPS = frozenset({aten.embedding.default})  # read a table's rows by index (vocabulary parallel)
+OUT_FEATURES_FIRST = frozenset({aten.linear.default})  # weight (out, in): a column cut splits dim 0
 
 
 def register(*targets, localize=None, maps=None, matmul=False):
