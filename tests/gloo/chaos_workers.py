@@ -72,7 +72,8 @@ PERTURBATIONS = {
 def _case(rank, world_size, mode, name, timeout_s, model, reference):
     group = dist.new_group(timeout=timedelta(seconds=120))  # planning may take a while
     tp = tpcompile.parallelize(model, (_ids(),), mesh=group, check_calls=mode)
-    _step(tp, _ids())  # one agreed step: the calls of the perturbation below are cached
+    for _ in range(2):  # agreed steps: the calls of the perturbation below are cached (the
+        _step(tp, _ids())  # first call, and every later one: it follows a backward)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
     others, victim = PERTURBATIONS[name]
     out = _timed(lambda: (victim if rank == world_size - 1 else others)(tp, timeout_s))

@@ -21,8 +21,11 @@ Modes (``parallelize(check_calls=...)``):
   entries (only agreed calls enter it), so ranks all check or all skip *while they agree*.
   A rank that repeats an agreed call while a peer brings a new one is not caught as a
   mismatch: the peer's check and the rank's model collective wait on different groups and both
-  end in a ``CollectiveError`` after the timeout. A rank that skips a backward and calls forward
-  again is not caught at all (its forward's collectives pair with the peer's backward's).
+  end in a ``CollectiveError`` after the timeout. A forward with gradients is described
+  together with whether the previous one's backward ran, so a rank that skips a backward and
+  calls forward again brings a call new to it and checks it: its check waits while its peers
+  wait in their backward, and every rank ends in a ``CollectiveError`` after the timeout (never
+  a forward whose collectives pair with a peer's backward's, a silent wrong answer).
 - ``"every"``: check every call, counting them, so a rank that skipped a forward or a backward
   (its next forward meets a peer still in a backward) or lost a call is named too. One tiny
   gloo all-reduce per call; see docs/performance.md for its cost.
@@ -103,6 +106,19 @@ class CallCheck:
         self.side = side_group(group) if group is not None and dist.get_world_size(group) > 1 else None
         self.agreed: set[str] = set()
         self.calls = 0
+        self.backward_ran: bool | None = None  # of the last forward with gradients
+
+    def track_backward(self, outputs) -> None:
+        """After a forward with gradients: note whether its backward reaches the outputs."""
+        tensors = [t for t in pytree.tree_leaves(outputs)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.side is None or not tensors or not torch.is_grad_enabled():
+            return
+        self.backward_ran = False
+        torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_reached, mode="any")
+
+    def _backward_reached(self, grad) -> None:
+        self.backward_ran = True
 
     def __call__(self, spec, args: tuple, kwargs: dict) -> None:
         try:
@@ -115,6 +131,8 @@ class CallCheck:
                 raise refusal
             return
         text = describe(args, kwargs)
+        if torch.is_grad_enabled() and self.backward_ran is not None:
+            text += ", after a backward" if self.backward_ran else ", after a forward without backward"
         if self.mode == "new" and text in self.agreed:
             if refusal is not None:  # peers with this call skip the check: nothing to tell them
                 raise refusal

@@ -45,6 +45,9 @@ class TPModule(nn.Module):
             # an InputError (or, ranks disagreeing, an InputMismatchError on every rank), not
             # a failure deep inside the graph or a collective pairing mismatched buffers
             self.call_check(self.input_spec, args, kwargs)
+            outputs = self.graph_module(*args, **kwargs)
+            self.call_check.track_backward(outputs)
+            return outputs
         return self.graph_module(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
