@@ -247,3 +247,25 @@ def test_dtensor_plan_leaves_out_chains_parallelize_module_would_get_wrong(model
     assert report.dtensor_plan == {}
     assert set(report.not_expressible) == {"up", "down"}
     assert why in report.not_expressible["up"]
+
+
+@pytest.mark.parametrize("family", ["electra", "cpmant"])
+def test_explain_families_the_sweep_found_raising(family):
+    """bench/hf_sweep.py found explain raising KeyError on these: Electra's row-parallel chain
+    ends in a bias add the rewrite folds away (the bound read the rewritten graph), CpmAnt has
+    get_attr nodes export leaves without meta['val']."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "electra":
+        cfg = transformers.ElectraConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=128,
+                                         tie_word_embeddings=True, is_decoder=True)
+        model = transformers.ElectraForCausalLM(cfg)
+    else:
+        cfg = transformers.CpmAntConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, dim_head=16, dim_ff=128)
+        model = transformers.CpmAntForCausalLM(cfg)
+    report = tpcompile.explain(model, (torch.randint(0, 256, (2, 16)),), 2)
+    layers = [m for m in report.megatron if m.layer]
+    assert len(layers) == 2 and all(m.bound_forward == 2 for m in layers), report.megatron
+    assert max(report.param_bytes_per_rank) < report.param_bytes_total

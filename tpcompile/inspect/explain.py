@@ -11,9 +11,11 @@ programs (schema in docs/explain.md).
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
@@ -104,7 +106,18 @@ class Report:
 
 
 def _dtypes(trace: RewriteTrace) -> dict:
-    return {n.target: n.meta["val"].dtype for n in trace.gm.graph.nodes if n.op == "get_attr"}
+    """Every tensor attribute's dtype; export leaves some get_attr nodes (tied aliases,
+    constants) without ``meta['val']``, so the tensor itself answers."""
+    gm = trace.cap.gm
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            value = n.meta.get("val")
+            if not isinstance(value, torch.Tensor):
+                value = operator.attrgetter(n.target)(gm)
+            if isinstance(value, torch.Tensor):
+                out[n.target] = value.dtype
+    return out
 
 
 def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:

@@ -109,7 +109,8 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
 
 def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry]) -> list[LayerTraffic]:
     """Per layer: Megatron's minimum for its chains next to what tpcompile inserted."""
-    nodes = {n.name: n for n in trace.gm.graph.nodes}
+    # chains name nodes of the planned graph; the rewrite may fold some away (fuse_bias)
+    nodes = {n.name: n for n in trace.cap.gm.graph.nodes}
     rows: dict[str, dict] = {}
 
     def row(layer: str) -> dict:
