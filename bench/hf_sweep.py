@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -278,7 +277,9 @@ def _measure(name: str, numerics: bool, mode: str) -> dict:
     row["seconds"] = time.perf_counter() - start
     row["captured"] = True
     row["static_shapes"] = any("accepts only" in str(w.message) for w in caught)
-    sharded, replicated = _ideal(report, _megatron_shards(cfg, WORLD_SIZE))
+    from memory import ideal_split  # bench/ is on sys.path when this runs as a script
+
+    sharded, replicated = ideal_split(report, _megatron_shards(cfg, WORLD_SIZE))
     row["param_bytes_max_rank"] = max(report.param_bytes_per_rank)
     row["param_bytes_total"] = report.param_bytes_total
     row["param_bytes_ideal"] = sharded / WORLD_SIZE + replicated
@@ -347,17 +348,6 @@ def _layer_of(fqn: str) -> str:
     m = re.match(r"(.*?(^|\.)\d+)\.", fqn)
     layer = m.group(1) if m else ""
     return re.sub(r"^model\.|^transformer\.|^gpt_neox\.|^base_model\.", "", layer)
-
-
-def _ideal(report, sharded) -> tuple[int, int]:
-    import torch
-
-    unique = {tuple(e.aliases): (n, e) for n, e in report.params.items() if e.trainable}
-    split = [0, 0]
-    for n, e in unique.values():
-        size = math.prod(e.global_shape) * getattr(torch, e.dtype).itemsize
-        split[0 if sharded(n, e) else 1] += size
-    return split[0], split[1]
 
 
 def _fold(name: str) -> str:
