@@ -25,12 +25,16 @@ Per family:
   where KV heads are fewer than ranks, the separate K / V projections (``_megatron_shards``);
 * *collectives vs bound*: per layer forward / backward all-reduces against Megatron's 2 / 2,
   plus 1 backward per replicated weight whose gradient is all-reduced inside a layer when
-  Megatron replicates it too (MQA/GQA K and V: +2; an MoE router: +1);
+  Megatron replicates it too (MQA/GQA K and V: +2; an MoE router: +1; per-head q / k norms:
+  +2); a parallel attention + MLP block under the bound (2 / 1) counts as at it;
 * *gathers / fallbacks*: every all-gather or reduce-scatter, every op without a sharding rule;
-* *status*: ``at bound`` (collectives at the bound, nothing gathered, params within 1% of the
-  ideal), ``above bound``, ``not sharded`` (no chain found), ``tpcompile error`` (the planner
-  or a pass raised: an internal error is a bug), ``not captured``, ``not built``, ``skipped``,
-  ``timeout`` / ``crash``; with numerics, ``exact`` when every relative error is <= 1e-5.
+* *status*: ``at bound`` (collectives at the bound, nothing gathered, no weight Megatron
+  shards left whole, params within 1% of the ideal), ``above bound`` (more collectives than
+  the bound, or gathers), ``off bound`` (no more collectives, but weights left whole),
+  ``not sharded`` (no chain found), ``tpcompile error`` (the planner refused) or ``tpcompile
+  internal error`` (a pass raised something else: a bug), ``not captured``, ``not built``,
+  ``skipped``, ``timeout`` / ``crash``; with numerics, ``exact`` when every relative error is
+  <= 1e-5.
 """
 
 from __future__ import annotations
