@@ -36,3 +36,23 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "mqa_sdpa_broadcast": (2, 4),      # 1 kv head broadcast inside SDPA
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
+
+
+@pytest.mark.parametrize("name,world_size", CASES)
+def test_plan_is_megatrons(name, world_size):
+    row = bench.measure(name, world_size)
+    assert row["status"] == "ok", row["status"]
+    assert not row["not_as_expected"], row["not_as_expected"]
+    assert row["param_bytes_max_rank"] <= row["param_bytes_ideal"] * 1.005, row
+    assert row["at_megatron_bound"], (row["per_layer"], row["outside_layers"], row["gathers"])
+    assert not row["fallbacks"], row["fallbacks"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_outputs_and_every_gradient_equal_the_unsharded_model(world_size):
+    names = [name for name, sizes in AT_BOUND.items() if world_size in sizes]
+    verdicts = bench.numerics(names, world_size)
+    for name in names:
+        text = verdicts[name]
+        assert text[0].isdigit() and "MISMATCH" not in text, f"{name}: {text}"
