@@ -40,7 +40,7 @@ from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, rule_for
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
 from tpcompile.passes.planner.propagate import (
-    Constraints, Propagation, _same, local_slice, propagate,
+    Constraints, Propagation, _same, local_slice, propagate, view_chain,
 )
 
 log = logging.getLogger(__name__)
@@ -254,18 +254,6 @@ def _absorb_params(gm, state: Propagation) -> None:
             state.placements[n] = p
         for u in end.users:
             del state.conversions[(end, u)]
-
-
-def view_chain(node: fx.Node) -> list[fx.Node]:
-    """``node`` and the views it alone feeds, one user each (``w -> t -> matmul``: [w, t])."""
-    chain = [node]
-    while len(chain[-1].users) == 1:
-        user = next(iter(chain[-1].users))
-        rule = rule_for(user)
-        if rule is None or rule.maps is None or not user.args or user.args[0] is not chain[-1]:
-            break
-        chain.append(user)
-    return chain
 
 
 def _pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | None:

@@ -25,12 +25,12 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.rules import rule_for
+from tpcompile.passes.planner.rules import is_view, rule_for
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate"]
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "local_slice"]
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -181,8 +181,7 @@ class OpView:
         each used once): where a column-parallel root may start."""
         node = arg
         while isinstance(node, fx.Node) and not self.is_param(node):
-            rule = rule_for(node)
-            if rule is None or rule.maps is None or len(node.users) != 1 or not node.args:
+            if not is_view(node) or len(node.users) != 1:
                 return None
             node = node.args[0]
         return node if isinstance(node, fx.Node) and len(node.users) >= 1 else None
@@ -236,6 +235,18 @@ class OpView:
         self._state.roots.setdefault(name, self.node)
         self._state.root_users.setdefault(name, set()).add(self.node)
         return Layout(name, size)
+
+
+def view_chain(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the views it alone feeds, one user each (``w -> t -> matmul``: [w, t]);
+    the forward twin of :meth:`OpView.param_behind`."""
+    chain = [node]
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        if not is_view(user) or user.args[0] is not chain[-1]:
+            break
+        chain.append(user)
+    return chain
 
 
 def local_slice(specs: Specs, src, dst) -> bool:

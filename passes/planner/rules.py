@@ -34,7 +34,8 @@ from tpcompile.passes.planner.dims import (
 
 aten = torch.ops.aten
 
-__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "rule_for", "einsum_rule"]
+__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "rule_for",
+           "einsum_rule"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ def register(*targets, localize=None, maps=None, matmul=False):
                 PARAM_MATMULS.add(t)
         return fn
     return deco
+
+
+def is_view(node: fx.Node) -> bool:
+    """An op that only moves, splits or merges dims of its first input (its rule ``maps``)."""
+    rule = rule_for(node)
+    return rule is not None and rule.maps is not None and bool(node.args)
 
 
 def rule_for(node: fx.Node) -> Rule | None:

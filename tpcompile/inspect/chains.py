@@ -17,8 +17,7 @@ from torch import fx
 
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
-from tpcompile.passes.planner.propagate import SEQUENCE
-from tpcompile.passes.planner.plan_sharding import view_chain
+from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
 from tpcompile.passes.planner.rules import PARAM_MATMULS
 
 __all__ = ["Chain", "find_chains", "layer_of"]
