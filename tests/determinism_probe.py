@@ -12,13 +12,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
 import random_models  # noqa: E402
 from support import rewrite_ranks  # noqa: E402
 from tpcompile.tools import models  # noqa: E402
 from tpcompile.runtime.agreement import digest  # noqa: E402
 
 
+class SetOrder(nn.Module):
+    """One MLP branch per entry of a set of strings, run in the set's order, which follows the
+    hash seed (transformers' Gemma 3 builds its rotary tables this way): capture must not."""
+
+    KINDS = {"full", "sliding", "local", "chunked"}  # orders differ for PYTHONHASHSEED 0 and 4242
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ModuleDict({k: nn.Linear(16, 32) for k in sorted(self.KINDS)})
+        self.down = nn.ModuleDict({k: nn.Linear(32, 16) for k in sorted(self.KINDS)})
+
+    def forward(self, x):
+        outs = {k: self.down[k](torch.relu(self.up[k](x))) for k in self.KINDS}
+        return sum(outs[k] for k in sorted(outs))
+
+
 def cases():
+    yield "set_order", SetOrder(), (torch.randn(2, 5, 16),), 2, {}
     llama = models.build("llama", dim=48, n_heads=6, n_kv_heads=2, hidden=100, vocab=97, n_layers=1)
     gpt2 = models.build("gpt2", n_layers=1)
     yield "llama_uneven", llama, models.example_inputs(llama), 3, {}

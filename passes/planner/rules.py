@@ -77,7 +77,11 @@ def rule_for(node: fx.Node) -> Rule | None:
     if target in RULES:
         return RULES[target]
     packet = getattr(target, "overloadpacket", None)
-    return RULES.get(packet)
+    if packet in RULES:
+        return RULES[packet]
+    # ops of other libraries (transformers' MoE kernels) are registered by name: the table
+    # must not import them
+    return RULES.get(target.name()) if isinstance(target, torch._ops.OpOverload) else None
 
 
 # --------------------------------------------------------------------------- einsum core
@@ -351,6 +355,37 @@ def _einsum(op):
     labels, out = _einsum_labels(equation, operands)
     linear = "mul" if len(operands) > 1 else "unary"
     return einsum_rule(op, list(zip(operands, labels)), out, linear=linear, matmul=True)
+
+
+@register(aten._grouped_mm.default, "transformers::grouped_mm_fallback", matmul=True)
+def _grouped_mm(op):
+    """Mixture-of-experts grouped matmul: rows of ``x`` (t, k) in expert groups (``offs``), group
+    ``e`` times ``w[e]`` (e, k, n). A cut of ``n`` keeps each expert's output columns local
+    (column-parallel experts), a cut of ``k`` gives partial sums (row-parallel); the expert dim
+    is a selection, not a sum, so it carries no label and is never cut."""
+    x, w = op.node.args[0], op.node.args[1]
+    if len(shape(x)) != 2 or len(shape(w)) != 3:
+        return _replicate_all(op)
+    operands = [(x, ["t", "k"]), (w, [None, "k", "n"])]
+    return einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
+
+
+@register(aten.index.Tensor)
+def _index(op):
+    """``x[i0, i1, ...]`` with index tensors (advanced indexing): gathering rows is linear, so a
+    partial ``x`` stays partial, and a shard of a dim no index reads moves to its output dim."""
+    x, indices = op.node.args[0], list(op.node.args[1])
+    n = len(shape(x))
+    picked = [d for d, i in enumerate(indices) if i is not None]
+    adjacent = picked == list(range(picked[0], picked[-1] + 1)) if picked else True
+    width = len(shape(op.node)) - (n - len(picked))
+    kept = [d for d in range(n) if d not in picked]
+    at = picked[0] if picked and adjacent else 0  # where the index dims land in the output
+    out_labels = kept[:at] + [None] * width + kept[at:]
+    operands = [(x, [None if d in picked else d for d in range(n)])]
+    operands += [(i, [None] * len(shape(i))) for i in indices if i is not None]
+    return einsum_rule(op, operands, [lab if lab is not None else f"i{j}"
+                                      for j, lab in enumerate(out_labels)], linear="mul")
 
 
 @register(aten.stack.default)

@@ -27,6 +27,17 @@ def _is_linear_of(node: fx.Node, x: fx.Node) -> bool:
             and node.args[0] is x and x not in node.args[1:])
 
 
+def _hoist(node: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> None:
+    """Move ``node`` and the operands it needs that run after ``before`` to just before it
+    (attribute reads and grad-sync wrappers of the weights: nothing that reads activations)."""
+    if order[node] < order[before]:
+        return
+    for a in node.all_input_nodes:
+        _hoist(a, before, order)
+    before.prepend(node)
+    order[node] = order[before] - 0.5
+
+
 def fuse_sequence_linears_pass(gm: fx.GraphModule) -> fx.GraphModule:
     g = gm.graph
     for gather in list(g.nodes):
@@ -40,9 +51,8 @@ def fuse_sequence_linears_pass(gm: fx.GraphModule) -> fx.GraphModule:
             params += [u.args[1], u.args[2] if len(u.args) > 2 else None]
         order = {n: i for i, n in enumerate(g.nodes)}
         for p in params:  # weights reach the linears through small nodes (grad syncs): hoist
-            if isinstance(p, fx.Node) and order[p] > order[users[0]]:
-                assert all(order[a] < order[users[0]] for a in p.all_input_nodes), p
-                users[0].prepend(p)
+            if isinstance(p, fx.Node):
+                _hoist(p, users[0], order)
         with g.inserting_before(users[0]):
             fused = g.call_function(C.gathered_linears, tuple(gather.args) + tuple(params))
         for i, u in enumerate(users):

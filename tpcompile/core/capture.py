@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
+from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.capture_checks import (
     custom_function_calls, forward_state_guard, refuse_custom_functions,
 )
@@ -206,7 +207,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             f"{_user_frame(e)}\n  hint: tpcompile captures with torch.export(strict=False); "
             "make forward traceable (no data-dependent Python control flow, tensors in and out)"
         ) from e
-    gm = ep.module()
+    gm = canonical_order(ep.module())
     aliases_by_id = param_aliases(model)
     aliases, params = {}, set()
     for node in gm.graph.nodes:
