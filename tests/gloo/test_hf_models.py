@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 CASES = [("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
-         ("bert_model", False),
+         ("bert_model", False), ("mixtral", False),
          ("llama", True), ("gpt2", True), ("bert", True)]
 
 
@@ -27,7 +27,7 @@ def results():
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-@pytest.mark.parametrize("name", ["llama", "llama_mqa", "gpt2", "bert", "bert_model"])
+@pytest.mark.parametrize("name", ["llama", "llama_mqa", "gpt2", "bert", "bert_model", "mixtral"])
 def test_logits_and_gradients_match(results, ws, name):
     for c in cases(results, ws, (name, False)):
         assert c["output_err"] <= 1e-5
@@ -83,3 +83,21 @@ def test_multi_query_attention_shards_query_heads(results, ws):
         assert styles[prefix + "q_proj.weight"] == "colwise"
         assert styles[prefix + "o_proj.weight"] == "rowwise"
         assert styles[prefix + "k_proj.weight"] == styles[prefix + "v_proj.weight"] == "replicate"
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_mixtral_experts_split_column_then_row_router_whole(results, ws):
+    """Experts stacked in (experts, out, in) parameters and run by transformers' grouped matmul:
+    fused gate/up split per chunk (columns), down by rows, the router replicated. Per layer one
+    forward all-reduce for attention and one for the MoE block; backward adds the routing
+    weights' gradient (tokens x top-k floats) to Megatron's two, and at 4 ranks (2 KV heads)
+    the gradients of the replicated k_proj and v_proj weights."""
+    c = cases(results, ws, ("mixtral", False))[0]
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp."
+        assert c["styles"][prefix + "experts.gate_up_proj"] == "colwise"
+        assert c["styles"][prefix + "experts.down_proj"] == "rowwise"
+        assert c["styles"][prefix + "gate.weight"] == "replicate"
+    assert c["collectives"]["forward"] == {"all_reduce": 2 * 2}
+    kv_grads = 2 if ws > 2 else 0
+    assert c["collectives"]["backward"] == {"all_reduce": (3 + kv_grads) * 2}

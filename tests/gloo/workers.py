@@ -252,6 +252,11 @@ def hf_model(name: str):
                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
                              **small)  # use_cache stays True: tpcompile captures without it
         return tf.LlamaForCausalLM(cfg)
+    if name == "mixtral":  # experts stacked in 3-D parameters, run by a grouped matmul
+        cfg = tf.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                               num_local_experts=4, num_experts_per_tok=2, **small)
+        return tf.MixtralForCausalLM(cfg)
     if name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
                             resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0,
