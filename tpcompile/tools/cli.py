@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "group and report what tpcompile would do.")
     _add_target(explain)
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
+    explain.add_argument("--html", metavar="FILE",
+                         help="write a self-contained HTML page with a picture of the plan to FILE")
     diff = sub.add_parser("diff", help="the graph before and after the rewrite",
                           description="Unified diff of TARGET's captured graph against one rank's "
                                       "rewritten graph (or an HTML side-by-side page).")
@@ -112,16 +114,29 @@ def _explain(args) -> int:
     from tpcompile.inspect.explain import explain
 
     target, progress = _load(args)
-    report = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress,
-                     **_options(args))
+    result = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress,
+                     html=bool(args.html), **_options(args))
     progress("done")
-    print(report.to_json() if args.json else report)
+    if args.html:
+        _write(args.html, result)
+        print(f"wrote {args.html}: the plan of {args.target} on {args.world_size} ranks")
+        return 0
+    print(result.to_json() if args.json else result)
     return 0
+
+
+def _write(path: str, text: str) -> None:
+    from tpcompile.tools.cli_targets import UsageError
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}", "give a writable path") from e
 
 
 def _diff(args) -> int:
     from tpcompile.inspect.diff import diff
-    from tpcompile.tools.cli_targets import UsageError
 
     target, progress = _load(args)
     result = diff(target.model, target.inputs, args.world_size, rank=args.rank,
@@ -130,11 +145,7 @@ def _diff(args) -> int:
     if not args.html:
         print(result, end="")
         return 0
-    try:
-        with open(args.html, "w", encoding="utf-8") as f:
-            f.write(result.to_html())
-    except OSError as e:
-        raise UsageError(f"cannot write {args.html}: {e.strerror}", "give a writable path") from e
+    _write(args.html, result.to_html())
     print(f"wrote {args.html}: {len(result.collectives)} collectives, "
           f"{len(result.relocalized)} rewritten shape constants")
     return 0
