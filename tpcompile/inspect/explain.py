@@ -107,7 +107,7 @@ class Report:
         return render(self)
 
 
-def _dtypes(trace: RewriteTrace) -> dict:
+def attr_dtypes(trace: RewriteTrace) -> dict:
     """Every tensor attribute's dtype; export leaves some get_attr nodes (tied aliases,
     constants) without ``meta['val']``, so the tensor itself answers."""
     gm = trace.cap.gm
@@ -123,7 +123,7 @@ def _dtypes(trace: RewriteTrace) -> dict:
 
 
 def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
-    plan, rank, dtypes = trace.plan, trace.rank, _dtypes(trace)
+    plan, rank, dtypes = trace.plan, trace.rank, attr_dtypes(trace)
     out = {}
     for name, p in sorted(plan.params.items()):
         sharded = isinstance(p.placement, Shard) and p.style != "replicate"
@@ -146,7 +146,7 @@ def _node_name(trace: RewriteTrace, target: str) -> str:
 def param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
     """Per-rank and unsharded bytes of the trainable parameters, each tensor counted once."""
     seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
-    dtypes = _dtypes(trace)
+    dtypes = attr_dtypes(trace)
     for name, p in trace.plan.params.items():
         if name not in trace.cap.params or p.aliases in seen:
             continue
