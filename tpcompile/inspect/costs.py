@@ -1,6 +1,6 @@
 """The cost model behind ``tpcompile advise``: devices, FLOPs of a graph's matmuls, ring times.
 
-Stated once here, printed by every ``advise`` run and documented in docs/advise.md:
+Stated once here, printed by every ``advise`` run and documented in docs/visualize.md:
 
 - **Compute**: matmul FLOPs only (``linear``, ``matmul``, ``mm``, ``bmm``, ``addmm``,
   ``baddbmm``: 2·M·N·K; ``scaled_dot_product_attention``: 2·Lk·(numel(q) + numel(out)), no

@@ -107,11 +107,11 @@ def _add_advise(sub) -> None:
         "advise", help="which tensor-parallel degree: memory and estimated step time per degree",
         description="Plan TARGET (on the meta device) at every tensor-parallel degree dividing "
                     "--gpus and estimate per-rank memory, traffic and step time from a stated "
-                    "cost model (docs/advise.md).")
+                    "cost model (docs/visualize.md).")
     _add_target(advise, ranks=False)
     advise.add_argument("--gpus", type=int, required=True, help="GPUs to split into TP x DP")
     advise.add_argument("--device", choices=sorted(DEVICES),
-                        help="device preset (datasheet numbers; see docs/advise.md)")
+                        help="device preset (datasheet numbers; see docs/visualize.md)")
     advise.add_argument("--flops", type=float, metavar="F",
                         help="peak matmul FLOP/s for the model's dtype (overrides the preset)")
     advise.add_argument("--link-gbps", type=float, metavar="B",
