@@ -140,3 +140,11 @@ def test_bias_joins_its_weights_box():
     assert [(name, style) for _, name, style in _parse(html).boxes] == [
         ("up.weight", "colwise"), ("down.weight", "rowwise")]
     assert "up.weight + up.bias: colwise" in html
+
+
+def test_vocabulary_parallel_embedding_has_its_own_colour_and_its_all_reduce():
+    model = models.build("llama", n_layers=1)
+    html = tpcompile.explain(model, models.example_inputs(model), 2, vocab_parallel=True, html=True)
+    parsed = _parse(html)
+    assert ("tok_embeddings.weight", "vocab") in {(n, s) for _, n, s in parsed.boxes}
+    assert (False, "forward", "all_reduce") in parsed.marks  # the masked lookup's sum, outside

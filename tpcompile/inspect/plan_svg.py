@@ -108,8 +108,9 @@ def _row(row: Row, y: float) -> list[str]:
 def plan_svg(view: BlockView) -> str:
     """The flow of ``view``'s sections, the block framed and labelled."""
     x, y = WIDTH / 2, 8.0
-    body = [f'<text x="{x + 10}" y="{y + 12}" font-size="12" fill="#555">input</text>']
-    y += 4
+    body = [f'<text x="{x}" y="{y + 12}" font-size="12" fill="#555" text-anchor="middle">'
+            "input</text>"]
+    y += 18
     incoming: list = []
     for section in view.sections:
         incoming = incoming + section.marks_before
@@ -149,7 +150,8 @@ def plan_svg(view: BlockView) -> str:
     part, h = _edge(x, y, incoming)
     body += part
     y += h + 4
-    body.append(f'<text x="{x + 10}" y="{y + 10}" font-size="12" fill="#555">output</text>')
+    body.append(f'<text x="{x}" y="{y + 10}" font-size="12" fill="#555" text-anchor="middle">'
+                "output</text>")
     return _svg(body, y + 20, "plan", "the plan of the repeated block: boxes per weight, "
                 "collectives on the edges", ARROW)
 
