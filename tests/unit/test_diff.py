@@ -92,7 +92,27 @@ def test_html_page_is_well_formed_self_contained_and_names_every_collective(llam
         assert parser.errors == [] and parser.stack == []
         assert html.startswith("<!DOCTYPE html>")
     assert "<script" not in page and "<link" not in page and "http" not in page
-    assert 'class="code shard' in page and 'class="code partial' in page
+    assert 'class="l shard' in page and 'class="l partial' in page
     for c in llama_diff.collectives:
         assert f"<li><code>{c.inserted_as}</code>: {c.phase} <code>{c.op}</code>" in page
-        assert re.search(f'class="code collective (ins|chg)">    {c.inserted_as} = ', page)
+        assert re.search(f'class="l collective (ins|chg)" id="d0-{c.inserted_as}"><span class="n">'
+                         f'\\d+</span><span class="m">[+~]</span>    {c.inserted_as} = ', page)
+
+
+def test_html_page_folds_unchanged_runs_and_links_every_rewritten_node(llama_diff):
+    html = llama_diff.to_html()
+    anchors = set(re.findall(r'<div class="l[^"]*" id="(d0-\w+)"', html))
+    links = re.findall(r'<a href="#(d0-\w+)"', html)
+    assert links and set(links) == anchors  # every changed line of "after" is in the jump list
+    assert {f"d0-{c.inserted_as}" for c in llama_diff.collectives} <= anchors
+    assert "d0-layers_0_attention_wq_weight" in anchors  # a sharded parameter
+    folds = re.findall(r'<input type="checkbox" class="fold" id="(d0-fold\d+)">', html)
+    assert folds
+    for fold in folds:  # one toggle shared by both columns, shown by a CSS rule of its own
+        assert html.count(f'<label class="fold" for="{fold}">') == 2
+        assert f"#{fold}:checked ~ .side .{fold} {{ display: block; }}" in html
+    assert re.search(r"\u22ef \d+ unchanged lines", html)
+    # folded lines are hidden, not dropped: the left column still holds every captured line
+    left = re.findall(r"<h3>before</h3>(.*?)<h3>after", html, re.S)[0]
+    shown = len(re.findall(r'<div class="l[ "]', left)) - left.count('<div class="l blank">')
+    assert shown == len(llama_diff.stages[0][1].splitlines())

@@ -21,8 +21,10 @@ from torch import nn
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
+from tpcompile.inspect.explain_html import page
 from tpcompile.inspect.explain_text import render
-from tpcompile.inspect.trace import RewriteTrace, module_path, trace_rewrite
+from tpcompile.inspect.plan_block import block_view
+from tpcompile.inspect.trace import RewriteTrace, module_path, source_line, trace_rewrite
 from tpcompile.inspect.traffic import (
     CollectiveEntry, LayerTraffic, dtype_name, list_collectives, megatron_comparison, nbytes,
 )
@@ -105,7 +107,7 @@ class Report:
         return render(self)
 
 
-def _dtypes(trace: RewriteTrace) -> dict:
+def attr_dtypes(trace: RewriteTrace) -> dict:
     """Every tensor attribute's dtype; export leaves some get_attr nodes (tied aliases,
     constants) without ``meta['val']``, so the tensor itself answers."""
     gm = trace.cap.gm
@@ -121,7 +123,7 @@ def _dtypes(trace: RewriteTrace) -> dict:
 
 
 def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
-    plan, rank, dtypes = trace.plan, trace.rank, _dtypes(trace)
+    plan, rank, dtypes = trace.plan, trace.rank, attr_dtypes(trace)
     out = {}
     for name, p in sorted(plan.params.items()):
         sharded = isinstance(p.placement, Shard) and p.style != "replicate"
@@ -141,10 +143,10 @@ def _node_name(trace: RewriteTrace, target: str) -> str:
     return ""
 
 
-def _param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
+def param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
     """Per-rank and unsharded bytes of the trainable parameters, each tensor counted once."""
     seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
-    dtypes = _dtypes(trace)
+    dtypes = attr_dtypes(trace)
     for name, p in trace.plan.params.items():
         if name not in trace.cap.params or p.aliases in seen:
             continue
@@ -156,14 +158,24 @@ def _param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
 
 
 def _located(trace: RewriteTrace, reasons: dict[str, str]) -> list[dict]:
-    nodes = {n.name: n for n in trace.gm.graph.nodes}
-    return [{"node": name, "module": module_path(nodes[name]) if name in nodes else "",
-             "reason": why} for name, why in sorted(reasons.items())]
+    """Fallbacks (keyed by node) and kept-replicated weights (keyed by FQN), each with the
+    module and the model line of the op concerned (for a weight: the op that reads it)."""
+    gm = trace.cap.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for target in reasons:
+        for attr in gm.graph.find_nodes(op="get_attr", target=target):
+            nodes[target] = next(iter(attr.users), attr)
+    out = []
+    for name, why in sorted(reasons.items()):
+        node = nodes.get(name)
+        out.append({"node": name, "module": module_path(node) if node is not None else "",
+                    "reason": why, "source": source_line(node) if node is not None else ""})
+    return out
 
 
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
             progress: Callable[[str], None] | None = None, dynamic: bool = True,
-            example_kwargs: dict | None = None, **options) -> Report:
+            example_kwargs: dict | None = None, html: bool = False, **options):
     """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
 
     Needs no process group and no GPU; build the model under ``torch.device("meta")`` to plan
@@ -173,14 +185,16 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     ``sequence_parallel``) are ``parallelize``'s: the report is of the plan that call makes.
     ``dynamic=False`` captures at the example's sizes only: the same plan, 2.5x faster to
     capture a large model (the rewritten code then shows those sizes as constants).
+    ``html=True`` returns the self-contained HTML page instead (a picture of the plan: see
+    :mod:`tpcompile.inspect.explain_html`).
     """
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
                           progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
                           options=PlanOptions(**options))
     collectives = list_collectives(trace)
-    per_rank, total = _param_bytes(trace)
+    per_rank, total = param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)
-    return Report(
+    report = Report(
         model=trace.model_name, world_size=world_size, rank=rank,
         inputs=[{"shape": list(s), "dtype": dtype_name(d)} for s, d in trace.cap.input_specs],
         params=_params(trace),
@@ -192,3 +206,4 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         kept_replicated=_located(trace, trace.plan.replicated),
         megatron=megatron_comparison(trace, collectives),
         dtensor_plan=styles, not_expressible=missing)
+    return page(report, block_view(report, trace)) if html else report

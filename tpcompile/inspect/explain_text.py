@@ -74,8 +74,12 @@ def _param_bytes(r) -> list[str]:
 def _located(title: str, items: list[dict]) -> list[str]:
     if not items:
         return [f"{title}: none"]
-    return [f"{title}:"] + [f"  {i['node']} ({i['module'] or 'top level'}): {i['reason']}"
-                            for i in items]
+    lines = [f"{title}:"]
+    for i in items:
+        lines.append(f"  {i['node']} ({i['module'] or 'top level'}): {i['reason']}")
+        if i.get("source"):
+            lines.append(f"    at {i['source']}")
+    return lines
 
 
 def _megatron(r) -> list[str]:

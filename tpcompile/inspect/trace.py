@@ -9,6 +9,8 @@ run, so a laptop can inspect a 64-rank plan of a model built on the meta device.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +24,11 @@ from tpcompile.errors import TPCompileError
 from tpcompile.passes import pipeline
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 
-__all__ = ["RewriteTrace", "trace_rewrite", "concrete_shape", "module_path", "source_node"]
+__all__ = ["RewriteTrace", "trace_rewrite", "concrete_shape", "module_path", "source_node",
+           "source_line"]
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 @dataclass
@@ -107,3 +113,18 @@ def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
             break
         node = first
     return node
+
+
+def source_line(node: fx.Node) -> str:
+    """'models.py:227: return self.output(self.norm(x))': the model's line behind ``node``.
+
+    The innermost frame of the captured stack trace outside torch itself: an ``nn.Linear``'s
+    own frame (torch/nn/modules/linear.py) says nothing about which of the model's calls it is.
+    '' when the capture kept no trace (``trace_rewrite`` always keeps one).
+    """
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    mine = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not mine:
+        return ""
+    path, line, code = mine[-1]
+    return f"{os.path.basename(path)}:{line}: {code.strip()}"

@@ -1,4 +1,4 @@
-"""The tpcompile command line: demo, explain, diff.
+"""The tpcompile command line: demo, explain, diff, advise.
 
 TARGET is a built-in model (llama, gpt2, mlp) or MODULE:FACTORY (a dotted module or a .py
 file, and a function returning a model or (model, example_inputs)). Errors are one line and a
@@ -37,16 +37,20 @@ class _Progress:
             print(f"[{time.perf_counter() - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
+def _add_target(p: argparse.ArgumentParser, ranks: bool = True) -> None:
     p.add_argument("target", metavar="TARGET", help=TARGET_HELP)
-    p.add_argument("--world-size", type=int, required=True, help="number of tensor-parallel ranks")
+    if ranks:
+        p.add_argument("--world-size", type=int, required=True, help="number of tensor-parallel ranks")
     p.add_argument("--input-shape", metavar="SIZES",
                    help="example input shape, e.g. 2,128 (built-ins: BATCH,SEQ; default 2,16)")
-    p.add_argument("--rank", type=int, default=0, help="whose local shapes / graph to show (default 0)")
+    if ranks:
+        p.add_argument("--rank", type=int, default=0,
+                       help="whose local shapes / graph to show (default 0)")
     p.add_argument("--config", metavar="K=V,...",
                    help="built-in model config overrides, e.g. dim=4096,n_layers=32,n_heads=32")
-    p.add_argument("--meta", action="store_true",
-                   help="build the model on the meta device: plan large models without memory")
+    if ranks:
+        p.add_argument("--meta", action="store_true",
+                       help="build the model on the meta device: plan large models without memory")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_options(p, list(OPTIONS))
 
@@ -84,13 +88,43 @@ def _parser() -> argparse.ArgumentParser:
                                          "group and report what tpcompile would do.")
     _add_target(explain)
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
+    explain.add_argument("--html", metavar="FILE",
+                         help="write a self-contained HTML page with a picture of the plan to FILE")
     diff = sub.add_parser("diff", help="the graph before and after the rewrite",
                           description="Unified diff of TARGET's captured graph against one rank's "
                                       "rewritten graph (or an HTML side-by-side page).")
     _add_target(diff)
     diff.add_argument("--passes", action="store_true", help="one diff per pass")
     diff.add_argument("--html", metavar="FILE", help="write a side-by-side HTML page to FILE")
+    _add_advise(sub)
     return p
+
+
+def _add_advise(sub) -> None:
+    from tpcompile.inspect.costs import DEVICES
+
+    advise = sub.add_parser(
+        "advise", help="which tensor-parallel degree: memory and estimated step time per degree",
+        description="Plan TARGET (on the meta device) at every tensor-parallel degree dividing "
+                    "--gpus and estimate per-rank memory, traffic and step time from a stated "
+                    "cost model (docs/visualize.md).")
+    _add_target(advise, ranks=False)
+    advise.add_argument("--gpus", type=int, required=True, help="GPUs to split into TP x DP")
+    advise.add_argument("--device", choices=sorted(DEVICES),
+                        help="device preset (datasheet numbers; see docs/visualize.md)")
+    advise.add_argument("--flops", type=float, metavar="F",
+                        help="peak matmul FLOP/s for the model's dtype (overrides the preset)")
+    advise.add_argument("--link-gbps", type=float, metavar="B",
+                        help="GPU-to-GPU bandwidth per direction in Gbit/s (overrides the preset)")
+    advise.add_argument("--memory-gib", type=float, metavar="M",
+                        help="memory per GPU in GiB (overrides the preset)")
+    advise.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="cast the model's floating parameters first (default: as built)")
+    advise.add_argument("--efficiency", type=float, default=0.5,
+                        help="share of peak FLOP/s reached (default 0.5)")
+    advise.add_argument("--inference", action="store_true",
+                        help="forward only: parameters + KV cache, no gradients or optimizer")
+    advise.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
 def _load(args):
@@ -112,16 +146,29 @@ def _explain(args) -> int:
     from tpcompile.inspect.explain import explain
 
     target, progress = _load(args)
-    report = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress,
-                     **_options(args))
+    result = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress,
+                     html=bool(args.html), **_options(args))
     progress("done")
-    print(report.to_json() if args.json else report)
+    if args.html:
+        _write(args.html, result)
+        print(f"wrote {args.html}: the plan of {args.target} on {args.world_size} ranks")
+        return 0
+    print(result.to_json() if args.json else result)
     return 0
+
+
+def _write(path: str, text: str) -> None:
+    from tpcompile.tools.cli_targets import UsageError
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}", "give a writable path") from e
 
 
 def _diff(args) -> int:
     from tpcompile.inspect.diff import diff
-    from tpcompile.tools.cli_targets import UsageError
 
     target, progress = _load(args)
     result = diff(target.model, target.inputs, args.world_size, rank=args.rank,
@@ -130,14 +177,63 @@ def _diff(args) -> int:
     if not args.html:
         print(result, end="")
         return 0
-    try:
-        with open(args.html, "w", encoding="utf-8") as f:
-            f.write(result.to_html())
-    except OSError as e:
-        raise UsageError(f"cannot write {args.html}: {e.strerror}", "give a writable path") from e
+    _write(args.html, result.to_html())
     print(f"wrote {args.html}: {len(result.collectives)} collectives, "
           f"{len(result.relocalized)} rewritten shape constants")
     return 0
+
+
+def _advise(args) -> int:
+    from tpcompile.inspect.advise import advise
+    from tpcompile.tools.cli_targets import load_target, parse_config, parse_shape
+
+    cost = _cost_model(args)
+    shape = parse_shape(args.input_shape) if args.input_shape else None
+    progress = _Progress(args.quiet)
+    target = load_target(args.target, shape, parse_config(args.config), meta=True)
+    if args.dtype:
+        import torch
+        target.model.to(getattr(torch, args.dtype))
+    progress(f"built {args.target} on the meta device")
+    result = advise(target.model, target.inputs, args.gpus, cost, progress=progress,
+                    **_options(args))
+    progress("done")
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+def _cost_model(args):
+    """The device preset with the flags' overrides; every number needed must come from one."""
+    from dataclasses import replace
+
+    from tpcompile.inspect.costs import DEVICES, CostModel, Device
+    from tpcompile.tools.cli_targets import UsageError
+
+    if args.gpus < 1:
+        raise UsageError(f"--gpus must be >= 1, got {args.gpus}", "e.g. --gpus 8")
+    if not 0 < args.efficiency <= 1:
+        raise UsageError(f"--efficiency must be in (0, 1], got {args.efficiency}", "e.g. 0.4")
+    given = {"flops": args.flops, "link-gbps": args.link_gbps, "memory-gib": args.memory_gib}
+    for flag, value in given.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag} must be positive, got {value:g}", f"e.g. --{flag} 400")
+    if args.device:
+        device = DEVICES[args.device]
+    elif None in given.values():
+        missing = ", ".join(f"--{k}" for k, v in given.items() if v is None)
+        raise UsageError(f"no --device and no {missing}",
+                         f"pick a preset (--device {'|'.join(sorted(DEVICES))}) or give "
+                         "--flops, --link-gbps and --memory-gib")
+    else:
+        device = Device("custom", args.flops, args.flops, args.link_gbps, args.memory_gib,
+                        "given on the command line")
+    if args.device and any(v is not None for v in given.values()):
+        device = replace(device, name=device.name + " (overridden)",
+                         bf16_flops=args.flops or device.bf16_flops,
+                         fp32_flops=args.flops or device.fp32_flops,
+                         link_gbps=args.link_gbps or device.link_gbps,
+                         memory_gib=args.memory_gib or device.memory_gib)
+    return CostModel(device, compute_efficiency=args.efficiency, inference=args.inference)
 
 
 def _demo(args) -> int:
@@ -155,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
-        return {"demo": _demo, "explain": _explain, "diff": _diff}[args.command](args)
+        return {"demo": _demo, "explain": _explain, "diff": _diff,
+                "advise": _advise}[args.command](args)
     except UsageError as e:
         print(f"tpcompile {args.command}: error: {e.message}\n  hint: {e.hint}", file=sys.stderr)
         return e.exit_code

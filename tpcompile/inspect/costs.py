@@ -1,0 +1,144 @@
+"""The cost model behind ``tpcompile advise``: devices, FLOPs of a graph's matmuls, ring times.
+
+Stated once here, printed by every ``advise`` run and documented in docs/visualize.md:
+
+- **Compute**: matmul FLOPs only (``linear``, ``matmul``, ``mm``, ``bmm``, ``addmm``,
+  ``baddbmm``: 2·M·N·K; ``scaled_dot_product_attention``: 2·Lk·(numel(q) + numel(out)), no
+  causal discount), each at the share of it a rank computes under the plan (a sharded operand
+  divides it; a replicated matmul is computed whole on every rank). A training step is the
+  forward and a backward of twice its FLOPs. Time = FLOPs / (device peak for the model's dtype
+  x ``compute_efficiency``). Elementwise ops, norms and softmax are not counted.
+- **Communication**: ring algorithms over ``link`` bytes/s per direction per GPU x
+  ``link_efficiency``: an all-reduce of B bytes over n ranks moves 2(n-1)/n·B per rank in
+  2(n-1) steps, an all-gather or reduce-scatter (n-1)/n·B in n-1 steps; each step also costs
+  ``step_latency``. Nothing overlaps: compute, tensor-parallel collectives and the
+  data-parallel gradient all-reduce add up (an upper bound; DDP overlaps the last with the
+  backward).
+- **Memory** per rank: parameters and buffers as the plan shards them; gradients in the
+  parameters' dtype; Adam's two fp32 moments (+ an fp32 master copy of 16-bit parameters);
+  activations = every value the forward computes, at its per-rank size (no activation
+  checkpointing; views are free), or for inference the KV cache (the key and value operands of
+  every attention at the example's batch and sequence). ``usable_memory`` of the device is
+  available (the rest: CUDA context, workspaces, fragmentation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+__all__ = ["Device", "DEVICES", "CostModel", "matmul_flops", "ring", "ring_seconds", "peak_flops"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    bf16_flops: float        # dense tensor-core peak for bfloat16 / float16 matmuls, FLOP/s
+    fp32_flops: float        # float32 peak without TF32 (PyTorch's default matmul precision)
+    link_gbps: float         # GPU-to-GPU bandwidth per direction, Gbit/s
+    memory_gib: float
+    source: str
+
+
+def _gbps(gigabytes_per_s_bidirectional: float) -> float:
+    """NVIDIA quotes NVLink as total bidirectional GB/s; a ring sends one way: half, in Gbit/s."""
+    return gigabytes_per_s_bidirectional / 2 * 8
+
+
+DEVICES = {
+    "h100": Device("NVIDIA H100 SXM5 80GB", 989e12, 67e12, _gbps(900), 80 * 1000**3 / 1024**3,
+                   "NVIDIA H100 Tensor Core GPU datasheet, SXM5: BF16 1,979 TFLOPS with sparsity "
+                   "(989 dense), FP32 67 TFLOPS, 80 GB HBM3, NVLink 900 GB/s"),
+    "h200": Device("NVIDIA H200 SXM 141GB", 989e12, 67e12, _gbps(900), 141 * 1000**3 / 1024**3,
+                   "NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity "
+                   "(989 dense), FP32 67 TFLOPS, 141 GB HBM3e, NVLink 900 GB/s"),
+    "a100": Device("NVIDIA A100 SXM4 80GB", 312e12, 19.5e12, _gbps(600), 80 * 1000**3 / 1024**3,
+                   "NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB: BF16 312 TFLOPS dense, "
+                   "FP32 19.5 TFLOPS, 80 GB HBM2e, NVLink 600 GB/s"),
+    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", 312e12, 19.5e12, _gbps(600), 40 * 1000**3 / 1024**3,
+                        "NVIDIA A100 Tensor Core GPU datasheet, SXM4 40GB: BF16 312 TFLOPS dense, "
+                        "FP32 19.5 TFLOPS, 40 GB HBM2, NVLink 600 GB/s"),
+    "l40s": Device("NVIDIA L40S 48GB (PCIe)", 362e12, 91.6e12, _gbps(64), 48 * 1000**3 / 1024**3,
+                   "NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 with sparsity), FP32 91.6 "
+                   "TFLOPS, 48 GB GDDR6, PCIe Gen4 x16 64 GB/s (no NVLink)"),
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    device: Device
+    compute_efficiency: float = 0.5   # share of peak FLOP/s a tuned training step reaches (MFU)
+    link_efficiency: float = 0.8      # share of link bandwidth a ring reaches (nccl-tests busbw)
+    step_latency: float = 5e-6        # seconds per ring step (launch + hop)
+    usable_memory: float = 0.9        # share of device memory left for the model
+    inference: bool = False           # forward only: no gradients, optimizer, backward or DP sync
+
+    def assumptions(self) -> list[str]:
+        d = self.device
+        mode = ("inference: forward only; memory = parameters + buffers + KV cache" if self.inference
+                else "training step: forward + backward (2x forward FLOPs); Adam (two fp32 moments, "
+                     "fp32 master copy of 16-bit parameters); no activation checkpointing")
+        return [
+            f"device: {d.name}: {d.bf16_flops / 1e12:g} TFLOP/s bf16/fp16, {d.fp32_flops / 1e12:g} "
+            f"TFLOP/s fp32, link {d.link_gbps:g} Gbit/s ({d.link_gbps / 8:g} GB/s) per direction, "
+            f"{d.memory_gib:.1f} GiB",
+            f"  source: {d.source}",
+            f"compute: matmul FLOPs per rank under the plan / (peak x {self.compute_efficiency:g})",
+            f"communication: ring all-reduce 2(n-1)/n x bytes, all-gather / reduce-scatter "
+            f"(n-1)/n x bytes, over link x {self.link_efficiency:g}, + {self.step_latency * 1e6:g} us "
+            "per ring step; data-parallel gradient all-reduce over the GPUs/TP replicas",
+            "step time = compute + tensor-parallel collectives + data-parallel all-reduce "
+            "(no overlap: an upper bound)",
+            f"memory fits when the total is within {self.usable_memory:.0%} of the device's",
+            "batch: the global batch is GPUs x the example batch; each of the GPUs/TP replicas "
+            "runs TP x the example batch (the inputs' dim 0)",
+            mode,
+        ]
+
+
+def peak_flops(device: Device, dtype: torch.dtype) -> float:
+    return device.fp32_flops if dtype in (torch.float32, torch.float64) else device.bf16_flops
+
+
+def ring(op: str, nbytes: int, ranks: int) -> tuple[float, int]:
+    """(bytes each rank sends, ring steps) of one collective of a ``nbytes`` tensor."""
+    if ranks <= 1 or not nbytes:
+        return 0.0, 0
+    steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+    return nbytes * steps / ranks, steps
+
+
+def ring_seconds(moved: float, steps: int, cost: CostModel) -> float:
+    """The time of ``steps`` ring steps sending ``moved`` bytes per rank in all."""
+    link = cost.device.link_gbps * 1e9 / 8 * cost.link_efficiency
+    return moved / link + steps * cost.step_latency
+
+
+_CONTRACTIONS = {aten.linear.default: 0, aten.matmul.default: 0, aten.mm.default: 0,
+                 aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1}
+_ATTENTION = {aten.scaled_dot_product_attention.default}
+
+
+def _shape(node) -> tuple:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def matmul_flops(node: fx.Node) -> tuple[float, list[fx.Node]]:
+    """The whole (unsharded) forward FLOPs of ``node`` and the operands whose sharding divides
+    them; (0, []) for an op the model does not count."""
+    if node.target in _CONTRACTIONS:
+        first = node.args[_CONTRACTIONS[node.target]]
+        k = _shape(first)[-1] if _shape(first) else 0
+        operands = [a for a in node.args[_CONTRACTIONS[node.target]:][:2] if isinstance(a, fx.Node)]
+        return 2.0 * math.prod(_shape(node)) * k, operands
+    if node.target in _ATTENTION:
+        q, key = node.args[0], node.args[1]
+        lk = _shape(key)[-2] if len(_shape(key)) >= 2 else 0
+        return 2.0 * lk * (math.prod(_shape(q)) + math.prod(_shape(node))), [q]
+    return 0.0, []
