@@ -348,6 +348,23 @@ class EinsumAttention(Attention):
         return torch.einsum("blhk,hkd->bld", y, self.wo)
 
 
+class WholeQKNorm(Attention):
+    """OLMo 2 / OLMoE: RMSNorm over the whole q and k projections (every head at once), before
+    the head split. Its mean of squares spans the heads the ranks split: a sum of per-rank
+    terms, all-reduced (one number per token) instead of gathering the projection."""
+
+    def init_projections(self, linear):
+        super().init_projections(linear)
+        self.q_norm = RMSNorm(self.n_heads * self.head_dim)
+        self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        return (self.q_norm(self.wq(x)).view(B, T, self.n_heads, self.head_dim),
+                self.k_norm(self.wk(x)).view(B, T, self.n_kv_heads, self.head_dim),
+                self.wv(x).view(B, T, self.n_kv_heads, self.head_dim))
+
+
 class MatmulLinear(nn.Linear):
     """A Linear that spells out its matmul, as LoRA / quantization wrappers do."""
 
@@ -518,6 +535,11 @@ _REGISTRY = [
     ("gqa_repeat_interleave", lambda: LM(attn=partial(RepeatInterleaveKV, n_kv_heads=4)),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("softmax_masked_fill", lambda: LM(attn=MaskedSoftmax), BASELINE),
+    # the norms' weights are cut with the features they scale; per norm one forward all-reduce
+    # of its statistic and one backward (the statistic's gradient sums over the cut features)
+    ("qk_norm_whole", lambda: LM(attn=WholeQKNorm),
+     attention_expect(col=ATTN_COL + _in_layers("attn.q_norm.weight", "attn.k_norm.weight"),
+                      fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=4)),
     ("swiglu_linear", lambda: LM(), BASELINE),
     ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),

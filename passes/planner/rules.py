@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from tpcompile.core.placement import Layout, Partial, Replicate, Shard
+from tpcompile.runtime.partial import mean_term
 from tpcompile.runtime.rng import per_rank_sdpa, sharded_dropout
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import (
@@ -183,8 +184,11 @@ def _tensor_args(node):
 def _pointwise(linear):
     def propagate(op):
         out = shape(op.node)
-        operands = _broadcast_labels(_tensor_args(op.node), out)
-        return einsum_rule(op, operands, list(range(len(out))), linear)
+        tensors = _tensor_args(op.node)
+        operands = _broadcast_labels(tensors, out)
+        # a sum of partial sums is one; partial + a number would add the number on every rank
+        kind = None if linear == "add" and len(tensors) < 2 else linear
+        return einsum_rule(op, operands, list(range(len(out))), kind)
     return propagate
 
 
@@ -483,9 +487,24 @@ def _reduce(linear):
     return propagate
 
 
+def _localize_mean(node, local):
+    """A mean over a sharded dim: this rank's sum over the whole dim's size (its Partial term)."""
+    x = node.args[0]
+    n = len(shape(x))
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] not in (None, []) else list(range(n))
+    dims = [norm_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if not any(local.input_sharded_on(node, d) for d in dims):
+        return
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    whole = math.prod(int(shape(x)[d]) for d in dims)
+    local.replace_target(node, mean_term, (x, dims, keepdim, whole, node.kwargs.get("dtype")))
+    node.kwargs = {}
+
+
 register(aten.sum.dim_IntList, aten.sum.default)(_reduce("mul"))
-register(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
-         aten.var.correction, aten.std.correction, aten.argmax.default)(_reduce(None))
+register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul"))
+register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
+         aten.argmax.default)(_reduce(None))
 
 
 def _last_dims_free(count_fn):
