@@ -30,8 +30,10 @@ from torch import fx, nn
 from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.errors import CaptureError, TPCompileError
+from tpcompile.passes.planner.decompose import MAX_ROUNDS, decomposable, decompose_nodes
 from tpcompile.passes.planner.mutations import clone_converted_writes_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
+from tpcompile.passes.planner.propagate import NO_RULE
 from tpcompile.passes.rewrite.bias import fuse_bias_pass, split_bias_pass
 from tpcompile.passes.rewrite.insert_collectives import insert_collectives_pass
 from tpcompile.passes.rewrite.localize import localize_pass
@@ -134,6 +136,13 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
     cap = replace(cap, gm=gm)
     t2 = time.perf_counter()
     sharding = plan_sharding(cap, world_size, options)
+    for _ in range(MAX_ROUNDS):  # ops with no rule that gathered: plan their decompositions
+        # every use of such an op: the same op in the next layer is the next blocker
+        ops = {n.target for n in gm.graph.nodes if NO_RULE in n.meta and decomposable(n)}
+        unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+        if not decompose_nodes(gm, unruled):
+            break
+        sharding = plan_sharding(cap, world_size, options)
     seconds = {"capture": t1 - t0, "planning_passes": t2 - t1,
                "plan_sharding": time.perf_counter() - t2}
     return Planned(cap, sharding, tuple(records), seconds)

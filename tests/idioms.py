@@ -47,7 +47,8 @@ class Expect:
 
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
-    replicated: tuple[str, ...] = ("embed.weight", "head.weight", "norm.weight", "layers.*_norm.weight")
+    replicated: tuple[str, ...] = ("embed.weight", "head.weight", "norm.weight",
+                                 "layers.*.attn_norm.weight", "layers.*.mlp_norm.weight")
     fwd_allreduce_per_layer: int = 2
     bwd_allreduce_per_layer: int = 2
     kv: tuple[str, ...] = ()
@@ -445,6 +446,18 @@ class RawParamSwiGLU(nn.Module):
         return (gate * up) @ self.w_down
 
 
+class ReluSquaredMLP(nn.Module):
+    """Primer / NanoChat / Nemotron-H / Persimmon: ``w2(square(relu(w1 x)))``. ``torch.square``
+    has no entry in the rule table: torch tags it pointwise, which is rule enough."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, hidden, bias=False), nn.Linear(hidden, D, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.square(F.relu(self.w1(x))))
+
+
 class FusedGateUp(nn.Module):
     """Phi-3 / vLLM: one gate_up Linear(D, 2 * hidden), chunked in two."""
 
@@ -543,6 +556,8 @@ _REGISTRY = [
     ("swiglu_linear", lambda: LM(), BASELINE),
     ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),
+    ("mlp_relu_squared", lambda: LM(mlp=ReluSquaredMLP),
+     mlp_expect(col=_in_layers("mlp.w1.weight"))),
     ("swiglu_fused_gate_up", lambda: LM(mlp=FusedGateUp),
      mlp_expect(col=_in_layers("mlp.gate_up_proj.weight"),  # per gate / up chunk
                 row=_in_layers("mlp.down_proj.weight"))),

@@ -22,7 +22,7 @@ Block kinds (every block maps (batch, seq, dim) -> (batch, seq, dim'), ``norm`` 
   ``sdpa`` (else explicit softmax), ``causal``, ``gqa`` (``"repeat"`` or ``"sdpa"``), ``bias``
 - ``tied``: ``hidden``, ``act``: up-projection W, down-projection W^T (one shared parameter)
 - ``twice``: one square Linear applied twice around ``act`` (a parameter used by two matmuls)
-- ``unknown``: ``hidden``: Linear -> an op without a sharding rule (sinc) -> Linear
+- ``unknown``: ``hidden``: Linear -> an op without a sharding rule (cumprod) -> Linear
 - ``linear``: ``out``, ``bias``: change the model dim; ``act``: ``act``; ``norm``: its pre-norm only
 """
 
@@ -160,7 +160,7 @@ class Unknown(nn.Module):
         self.dim_out = dim
 
     def forward(self, x):
-        return self.down(torch.sinc(self.up(x)))
+        return self.down(torch.cumprod(torch.sigmoid(self.up(x)), -1))
 
 
 class LinearBody(nn.Module):

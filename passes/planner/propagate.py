@@ -30,7 +30,10 @@ from tpcompile.passes.planner.rules import is_view, rule_for
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "local_slice"]
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "local_slice",
+           "NO_RULE"]
+
+NO_RULE = "tp_no_rule"  # node.meta key: an op with no rule met a sharded or partial input
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -308,6 +311,8 @@ def _visit(node, state, specs, constraints):
         return None  # sizes (sym_size of dynamic dims), asserts: nothing to place or convert
     else:
         reason = f"{_reading(node, state)} has no sharding rule"
+        if distributed:  # read by the pipeline: such an op is planned again decomposed
+            node.meta[NO_RULE] = reason
     op = OpView(node, state, specs, constraints)
     for a in inputs:
         op.require(a, Replicate())

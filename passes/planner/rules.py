@@ -36,6 +36,7 @@ from tpcompile.passes.planner.dims import (
 aten = torch.ops.aten
 
 __all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "rule_for",
+           "rule_for_target",
            "einsum_rule"]
 
 
@@ -72,17 +73,27 @@ def is_view(node: fx.Node) -> bool:
 
 
 def rule_for(node: fx.Node) -> Rule | None:
-    if node.op != "call_function":
-        return None
-    target = node.target
+    return rule_for_target(node.target) if node.op == "call_function" else None
+
+
+def rule_for_target(target) -> Rule | None:
     if target in RULES:
         return RULES[target]
     packet = getattr(target, "overloadpacket", None)
     if packet in RULES:
         return RULES[packet]
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
     # ops of other libraries (transformers' MoE kernels) are registered by name: the table
     # must not import them
-    return RULES.get(target.name()) if isinstance(target, torch._ops.OpOverload) else None
+    if target.name() in RULES:
+        return RULES[target.name()]
+    # any other elementwise op (sin, erfinv, ...): torch tags it; shards pass, partials reduce
+    tags = target.tags
+    if (torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+            and not target._schema.is_mutable):
+        return _TAGGED_POINTWISE
+    return None
 
 
 # --------------------------------------------------------------------------- einsum core
@@ -208,6 +219,7 @@ POINTWISE = [
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
 ]
 register(*UNARY_LINEAR)(_pointwise("unary"))
+_TAGGED_POINTWISE = Rule(_pointwise(None))  # rule_for_target: ops torch tags pointwise
 
 
 @register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
@@ -372,6 +384,19 @@ def _grouped_mm(op):
         return _replicate_all(op)
     operands = [(x, ["t", "k"]), (w, [None, "k", "n"])]
     return einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
+
+
+@register(aten.constant_pad_nd.default)
+def _constant_pad(op):
+    """``F.pad``: a padded dim is not cut (its shards would need the pad in the middle); any
+    other dim's shard passes. Padding with zeros is linear, so a partial input stays partial."""
+    x, pad = op.node.args[0], list(op.node.args[1])
+    value = op.node.args[2] if len(op.node.args) > 2 else 0
+    n = len(shape(x))
+    padded = {n - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    labels = [None if d in padded else d for d in range(n)]
+    out = [f"padded{d}" if d in padded else d for d in range(n)]
+    return einsum_rule(op, [(x, labels)], out, linear="unary" if value == 0 else None)
 
 
 @register(aten.index.Tensor)

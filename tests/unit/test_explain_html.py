@@ -109,11 +109,11 @@ def test_layers_that_differ_from_the_block_are_listed_not_drawn():
 
 def test_a_model_without_layers_is_drawn_whole_with_fallbacks_and_lines():
     torch.manual_seed(0)
-    html = tpcompile.explain(workers.SincAttention(), (torch.randn(2, 8, 32),), 2, html=True)
+    html = tpcompile.explain(workers.UnruledOpAttention(), (torch.randn(2, 8, 32),), 2, html=True)
     parsed = _parse(html)
     assert parsed.boxes and not any(inside for inside, _, _ in parsed.boxes)
     assert "no repeated block" in html
-    assert re.search(r"<td>fallback</td><td><code>sinc\w*</code>.*?has no sharding rule", html)
+    assert re.search(r"<td>fallback</td><td><code>cumprod\w*</code>.*?has no sharding rule", html)
 
 
 def test_cli_writes_the_page(tmp_path, capsys):

@@ -79,14 +79,14 @@ def test_plan_is_json_and_deterministic():
 
 
 def test_unknown_op_on_sharded_data_is_gathered_and_reported():
-    model = workers.SincAttention()
+    model = workers.UnruledOpAttention()
     _, plan = plan_model(model, (torch.randn(2, 8, 32),), 2)
     assert plan.styles()["qkv.weight"] == "colwise"
     assert plan.styles()["proj.weight"] == "rowwise"
-    assert "sinc" in plan.fallbacks and "no sharding rule" in plan.fallbacks["sinc"]
-    assert "fallback: sinc" in str(plan)
+    assert "cumprod" in plan.fallbacks and "no sharding rule" in plan.fallbacks["cumprod"]
+    assert "fallback: cumprod" in str(plan)
     gathers = [c for c in plan.conversions if c.kind == "all_gather"]
-    assert [c.user for c in gathers] == ["sinc"]
+    assert [c.user for c in gathers] == ["cumprod"]
 
 
 def test_unknown_op_between_matmuls_keeps_the_chain_replicated():
@@ -96,7 +96,7 @@ def test_unknown_op_between_matmuls_keeps_the_chain_replicated():
             self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
 
         def forward(self, x):
-            return self.fc2(torch.sinc(self.fc1(x)))
+            return self.fc2(torch.cumprod(torch.sigmoid(self.fc1(x)), -1))
 
     _, plan = plan_model(Odd(), (torch.randn(4, 16),), 2)
     assert set(plan.styles().values()) == {"replicate"}
@@ -131,3 +131,27 @@ def test_a_number_is_added_to_a_partial_sum_once_after_it_is_reduced():
     assert all(str(plan.placements[a]) == "R" for a in adds)
     reduced = {c.value for c in all_reduces(plan)}
     assert means[0] in reduced and any(v.startswith("linear") for v in reduced)
+
+
+class UnruledOps(nn.Module):
+    """Ops without an entry in the rule table between a column and a row linear: ``square``
+    (ruled by torch's pointwise tag); ``view_as``, ``logsumexp`` over the sequence and ``pad``
+    of the sequence (a causal shift), planned through their decompositions."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = torch.square(torch.relu(self.up(x)))
+        h = torch.nn.functional.pad(h, (0, 0, 1, 0))[:, :-1]
+        h = h - torch.logsumexp(h, 1, keepdim=True)
+        return self.down(h.view_as(h.detach()))
+
+
+def test_ops_without_rules_are_planned_through_their_decompositions():
+    cap, plan = plan_model(UnruledOps(), (torch.randn(2, 5, 8),), 2)
+    assert plan.styles() == {"up.weight": "colwise", "down.weight": "rowwise"}
+    assert not plan.fallbacks and len(all_reduces(plan)) == 1
+    decomposed = {n.meta["decomposed_from"] for n in cap.gm.graph.nodes if "decomposed_from" in n.meta}
+    assert decomposed == {"aten.logsumexp.default", "aten.view_as.default", "aten.pad.default"}

@@ -149,14 +149,14 @@ def test_megatron_bound_is_met_and_exceeded_where_it_should_be(llama2, llama4_bf
 
 def test_fallback_ops_are_named():
     torch.manual_seed(0)
-    model = workers.SincAttention()
+    model = workers.UnruledOpAttention()
     report = tpcompile.explain(model, (torch.randn(2, 8, 32),), 2)
     (fallback,) = report.fallbacks
-    assert fallback["node"].startswith("sinc")
-    assert fallback["reason"].startswith("sinc.default of S(") and "has no sharding rule" in fallback["reason"]
+    assert fallback["node"].startswith("cumprod")
+    assert fallback["reason"].startswith("cumprod.default of S(") and "has no sharding rule" in fallback["reason"]
     assert fallback["module"] == ""
     assert any(c.op == "all_gather" and c.phase == "forward" for c in report.collectives)
-    assert f"{fallback['node']} (top level): sinc.default of S(" in str(report)
+    assert f"{fallback['node']} (top level): cumprod.default of S(" in str(report)
 
 
 def test_text_report_has_every_section_and_every_collective(llama2):

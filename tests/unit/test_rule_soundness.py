@@ -43,7 +43,7 @@ from tpcompile.core.plan import ShardingPlan
 from tpcompile.core.shards import take_shard
 from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.propagate import Constraints, propagate
-from tpcompile.passes.planner.rules import RULES, rule_for
+from tpcompile.passes.planner.rules import RULES, rule_for, rule_for_target
 from tpcompile.passes.rewrite.localize import localize_pass
 
 common = pytest.importorskip("torch.testing._internal.common_methods_invocations",
@@ -105,7 +105,10 @@ def _opinfos():
         if o.name.startswith(SKIP_PREFIXES):
             continue
         aten_name = o.aten_name or o.name
-        if aten_name in names or o.name.split(".")[-1] in names or o.name in EXTRA_OPINFOS:
+        packet = getattr(torch.ops.aten, aten_name, None)
+        tagged = packet is not None and "default" in packet.overloads() and rule_for_target(
+            packet.default) is not None  # ops ruled by their pointwise tag
+        if aten_name in names or o.name.split(".")[-1] in names or o.name in EXTRA_OPINFOS or tagged:
             yield o
 
 
@@ -208,7 +211,7 @@ def _collect():
             except Exception:  # noqa: BLE001 - samples make_fx cannot trace (data-dependent)
                 continue
             for n in gm.graph.nodes:
-                if n.op != "call_function" or n.target not in RULES or n.target is operator.getitem:
+                if rule_for(n) is None or n.target is operator.getitem:
                     continue  # getitem only selects a split's output: checked with the split
                 k = _key(n)
                 if k in seen:

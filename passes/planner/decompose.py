@@ -1,0 +1,121 @@
+"""Ops the rule table does not know are planned through their decompositions.
+
+The rule table covers the ops transformer code produces, but model code reaches further
+(``torch.square`` in a ReLU² MLP, ``logsumexp`` in an attention sink, ``view_as``, ``pad``).
+Rather than gather every sharded input of such an op, the planner first rewrites it into what
+PyTorch itself lowers it to (``torch._decomp``'s core ATen decompositions, or the op's own
+composite kernel): ``square(x)`` is ``x * x``, ``logsumexp`` an ``amax``, a ``sub``, an ``exp``
+and a ``sum``, each of which the table knows. Only ops with no rule that met a sharded or
+partial input are rewritten (every use of such an op: the next layer's is the next blocker),
+and the trace stops at ops the table knows.
+
+The decomposition is traced with ``make_fx`` in the capture's own fake mode, so symbolic
+batch and sequence sizes stay symbolic (``sym_size`` nodes of the operands), and inlined in
+place of the node; each new node keeps the original's source line and module path and
+records ``meta["decomposed_from"]`` for ``explain``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import fx
+from torch._decomp import core_aten_decompositions
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tpcompile.passes.planner.rules import rule_for, rule_for_target
+
+__all__ = ["decomposable", "decompose_nodes", "MAX_ROUNDS"]
+
+MAX_ROUNDS = 4  # a decomposition may expose the next op without a rule
+
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node", "seq_nr")
+
+
+@functools.cache
+def _table() -> dict:
+    return dict(core_aten_decompositions())
+
+
+def _decomposition(target):
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target in _table():
+        return _table()[target]
+    if torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
+        return target.decompose
+    return None
+
+
+def decomposable(node: fx.Node) -> bool:
+    """An op with no rule that PyTorch can express in other ops."""
+    return (node.op == "call_function" and rule_for(node) is None
+            and _decomposition(node.target) is not None and not node.target._schema.is_mutable)
+
+
+@functools.cache
+def _unruled_table() -> dict:
+    """Decompositions of the ops the rule table lacks: the trace stops at ops it knows."""
+    return {op: fn for op, fn in _table().items() if rule_for_target(op) is None}
+
+
+def _trace(node: fx.Node, table: dict) -> tuple[fx.GraphModule, list]:
+    """The node's decomposition as a graph whose placeholders are the node's tensor and
+    SymInt operands, in order: (graph, those operands)."""
+    originals, spec = tree_flatten((node.args, node.kwargs))
+    values = [a.meta["val"] if isinstance(a, fx.Node) else a for a in originals]
+    traced = [i for i, v in enumerate(values) if isinstance(v, (torch.Tensor, torch.SymInt))]
+    fn = _decomposition(node.target)
+
+    def run(*operands):
+        flat = list(values)
+        for i, v in zip(traced, operands):
+            flat[i] = v
+        args, kwargs = tree_unflatten(flat, spec)
+        return fn(*args, **kwargs)
+
+    inputs = [values[i] for i in traced]
+    with detect_fake_mode(inputs) or torch._subclasses.FakeTensorMode():
+        gm = make_fx(run, tracing_mode="symbolic", decomposition_table=table)(*inputs)
+    return gm, [originals[i] for i in traced]
+
+
+def decompose_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> int:
+    """Replace each of ``nodes`` by its traced decomposition; returns how many were replaced."""
+    if not nodes:
+        return 0
+    table = _unruled_table()
+    done = 0
+    for node in nodes:
+        sub, operands = _trace(node, table)
+        env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], operands))
+        with gm.graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    result = fx.map_arg(inner.args[0], lambda a: env[a])
+                    break
+                if inner.op == "get_attr":  # a constant the decomposition made
+                    name = next(f"_decomposed_constant_{i}" for i in range(len(gm.graph.nodes) + 1)
+                                if not hasattr(gm, f"_decomposed_constant_{i}"))
+                    setattr(gm, name, getattr(sub, inner.target))
+                    inner.target = name
+                copy = gm.graph.node_copy(inner, lambda a: env[a])
+                copy.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
+                copy.meta["decomposed_from"] = str(node.target)
+                env[inner] = copy
+        if isinstance(result, (list, tuple)):  # multi-output ops are read through getitem
+            for user in list(node.users):
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        done += 1
+    gm.graph.lint()
+    gm.recompile()
+    return done
