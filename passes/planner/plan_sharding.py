@@ -70,6 +70,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
             continue
         dead = _dead_regions(state, options)
         dead.update((r, why) for r, why in _written_copies(gm, state).items() if r not in dead)
+        dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
         if not dead:
             break
         constraints.killed.update(dead)
@@ -200,6 +201,13 @@ def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
                     _consumed(state, w, user), Shard):
                 out.add(root)
     return out
+
+
+def _stale_ties(state: Propagation, constraints) -> dict[str, str]:
+    """Tied tables whose matmul no longer shards them (its region refused for another reason):
+    a vocabulary-parallel lookup alone would follow a cut no matmul makes."""
+    return {root: "its tied table's matmul keeps it whole" for root in constraints.tied
+            if root in state.roots and all(u.target in LOOKUPS for u in state.root_users.get(root, ()))}
 
 
 def _floating(v) -> bool:
