@@ -369,12 +369,28 @@ def _megatron_extra(row) -> int:
     Read from the plan's grad-synced replicated weights, less those Megatron would shard."""
     off = {k.split(":")[0] for k in row.get("not_sharded", {})}
     modules = {g.rsplit(".", 1)[0] for g in row.get("grad_synced", []) if ".*." in g and g not in off}
-    # a norm applied as x * (1 + w) (Gemma): the all-reduce is of (1 + w)'s gradient
+    # a norm applied as x * (1 + w) (Gemma), or over a whole split projection (OLMo 2): the
+    # all-reduce is of (1 + w)'s or the norm statistic's gradient
     for key in row.get("collectives", {}):
         m = re.match(r"backward all_reduce at (\S+) ", key)
-        if m and re.search(r"(^|\.)(q|k|query|key)_?(norm|layernorm|ln)$", m.group(1)):
+        if m and _QK_NORM.search(m.group(1)):
             modules.add(m.group(1))
-    return len(modules)
+    # MoE experts weighted by routing weights after the row-parallel down projection: the
+    # weights' gradient sums over the experts' partial outputs (tokens x top-k numbers)
+    experts = [k for k in row.get("collectives", {})
+               if re.match(r"backward all_reduce at \S+\.experts ", k)]
+    return len(modules) + max(len(experts) - 1, 0)
+
+
+_QK_NORM = re.compile(r"(^|\.)(q|k|query|key)_?(norm|layernorm|ln)$")
+
+
+def _megatron_forward(row) -> int:
+    """Forward all-reduces per layer Megatron pays: 2, plus one per norm over a whole split
+    projection (OLMo 2's q/k norms): its statistic (one number per token) spans the ranks."""
+    norms = {m.group(1) for k in row.get("collectives", {})
+             if (m := re.match(r"forward all_reduce at (\S+) ", k)) and _QK_NORM.search(m.group(1))}
+    return 2 + len(norms)
 
 
 def classify(row) -> str:
@@ -382,7 +398,8 @@ def classify(row) -> str:
     if "grad_synced" in row:
         for r in row["layers"]:
             r["megatron_backward"] = 2 + (_megatron_extra(row) if r["bound_forward"] else 0)
-        row["megatron_bound"] = _per_layer([{**r, "f": 2} for r in row["layers"]],
+            r["megatron_forward"] = _megatron_forward(row) if r["bound_forward"] else 2
+        row["megatron_bound"] = _per_layer([{**r, "f": r["megatron_forward"]} for r in row["layers"]],
                                            ("f", "megatron_backward")) if row["layers"] else "2/2"
     # a weight with fewer output features than ranks (a shared-expert gate): whole in Megatron
     row["not_sharded"] = {k: v for k, v in row["not_sharded"].items()
@@ -391,7 +408,8 @@ def classify(row) -> str:
     # at or under the bound (a parallel attention + MLP block shares one backward all-reduce)
     at = (bool(layers) and row["outside_layers"] == "-" and not row["gathers"]
           and not row["fallbacks"] and not row["not_sharded"]
-          and all(0 < r["forward"] <= 2 and r["backward"] <= r["megatron_backward"]
+          and all(0 < r["forward"] <= r.get("megatron_forward", 2)
+                  and r["backward"] <= r["megatron_backward"]
                   for r in layers)
           and len(layers) >= min(row.get("n_layers", LAYERS), LAYERS)
           and row["over_ideal"] < 0.01)
@@ -411,7 +429,8 @@ def _get(cfg, key):
 
 
 def _above(row) -> bool:
-    return any(r["forward"] > 2 or r["backward"] > r["megatron_backward"] for r in row["layers"]) \
+    return any(r["forward"] > r.get("megatron_forward", 2) or r["backward"] > r["megatron_backward"]
+               for r in row["layers"]) \
         or bool(row["gathers"]) or row["outside_layers"] != "-"
 
 
