@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import tpcompile
 from tpcompile.state import checkpoint
@@ -54,10 +53,8 @@ if args.load:
 else:
     torch.manual_seed(0)  # the same seed on every rank: the shards agree
     tpcompile.init_shards(tp, model, buffers=rope)
-if args.dp > 1:  # FSDP2 over dp: one block's weights unsharded at a time, as torchtitan does
-    for block in tpcompile.outline_blocks(tp):
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(tp, mesh=mesh["dp"])
+if args.dp > 1:  # FSDP2 over dp: fully_shard each block, then the root, as torchtitan does
+    tpcompile.fully_shard_blocks(tp, mesh["dp"])
 opt = torch.optim.AdamW(tp.parameters(), lr=1e-2)
 if args.checkpoint and os.path.exists(args.checkpoint):
     checkpoint.load(tp, args.checkpoint, optimizer=opt)  # saved at any world size

@@ -17,11 +17,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import tpcompile
-from tpcompile.runtime.blocks import outline_blocks
 from tpcompile.state import checkpoint
 from tpcompile.tools import models
 
@@ -72,14 +71,11 @@ def reference(steps=range(STEPS), model=None, opt=None, bf16: bool = False):
 
 # ---------------------------------------------------------------------------- the 2-D run
 def two_d(dp: int, tp_size: int, seed: int = 0, mp: MixedPrecisionPolicy | None = None):
-    """The recipe of docs/scaling.md: parallelize over mesh["tp"], fully_shard over mesh["dp"]."""
+    """The recipe of docs/scaling.md: parallelize over mesh["tp"], then FSDP2 over mesh["dp"]."""
     mesh = init_device_mesh("cpu", (dp, tp_size), mesh_dim_names=("dp", "tp"))
     model = models.build("llama", seed=seed, **CFG)
     tp = tpcompile.parallelize(model, (tokens(0)[: BATCH // dp],), mesh=mesh["tp"])
-    kw = {"mesh": mesh["dp"]} | ({"mp_policy": mp} if mp else {})
-    for block in outline_blocks(tp):
-        fully_shard(block, **kw)
-    fully_shard(tp, **kw)
+    tpcompile.fully_shard_blocks(tp, mesh["dp"], **({"mp_policy": mp} if mp else {}))
     return tp, torch.optim.AdamW(tp.parameters(), lr=LR), mesh
 
 

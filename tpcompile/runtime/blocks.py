@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from tpcompile.errors import TPCompileError
 
-__all__ = ["outline_blocks", "repeated_block_paths"]
+__all__ = ["outline_blocks", "fully_shard_blocks", "repeated_block_paths"]
 
 
 def repeated_block_paths(module: nn.Module) -> list[str]:
@@ -151,3 +151,17 @@ def outline_blocks(tp: nn.Module, paths: list[str] | None = None) -> list[nn.Mod
     gm.graph.lint()
     gm.recompile()
     return [gm.get_submodule(p) for p in paths]
+
+
+def fully_shard_blocks(tp: nn.Module, dp_mesh, paths: list[str] | None = None, **fsdp_kwargs) -> nn.Module:
+    """FSDP2 over ``dp_mesh`` around a tensor-parallel module, as torchtitan applies it.
+
+    :func:`outline_blocks`, then ``fully_shard`` on each block and on the root (which takes
+    the remaining tensors: embeddings, final norm, head), with ``fsdp_kwargs`` (``mp_policy``,
+    ``reshard_after_forward``, ...). Returns ``tp``, now also an ``FSDPModule``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for block in outline_blocks(tp, paths):
+        fully_shard(block, mesh=dp_mesh, **fsdp_kwargs)
+    return fully_shard(tp, mesh=dp_mesh, **fsdp_kwargs)
