@@ -163,7 +163,7 @@ def _located(trace: RewriteTrace, reasons: dict[str, str]) -> list[dict]:
 
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
             progress: Callable[[str], None] | None = None, dynamic: bool = True,
-            example_kwargs: dict | None = None, **options) -> Report:
+            example_kwargs: dict | None = None, reuse_blocks: bool = False, **options) -> Report:
     """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
 
     Needs no process group and no GPU; build the model under ``torch.device("meta")`` to plan
@@ -173,10 +173,12 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     ``sequence_parallel``) are ``parallelize``'s: the report is of the plan that call makes.
     ``dynamic=False`` captures at the example's sizes only: the same plan, 2.5x faster to
     capture a large model (the rewritten code then shows those sizes as constants).
+    ``reuse_blocks=True`` exports three of a model's identical blocks and repeats one for the
+    rest: the same report, in a time that hardly grows with depth (docs/scaling.md).
     """
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
                           progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
-                          options=PlanOptions(**options))
+                          options=PlanOptions(**options), reuse_blocks=reuse_blocks)
     collectives = list_collectives(trace)
     per_rank, total = _param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)

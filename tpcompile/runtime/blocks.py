@@ -21,37 +21,16 @@ import operator
 
 from torch import fx, nn
 
+from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.errors import TPCompileError
 
 __all__ = ["outline_blocks", "fully_shard_blocks", "repeated_block_paths"]
 
 
-def repeated_block_paths(module: nn.Module) -> list[str]:
-    """Paths of the children of every container whose children are named 0, 1, 2, ...
-
-    (``nn.ModuleList``, or its plain-module copy in an exported graph), outermost first.
-    """
-    paths = []
-    for name, sub in module.named_modules():
-        children = list(sub.named_children())
-        if len(children) > 1 and all(c.isdigit() for c, _ in children):
-            paths += [f"{name}.{c}" if name else c for c, _ in children]
-    return paths
-
-
-def _block_of(node: fx.Node, paths: list[str]) -> str | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in reversed(list(stack.values())):
-        for p in paths:
-            if path == p or path.startswith(p + "."):
-                return p
-    return None
-
-
 def _runs(graph: fx.Graph, paths: list[str]) -> dict[str, list[fx.Node]]:
     """block path -> its nodes in graph order (computations only; get_attr handled apart)."""
     compute = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    owner = [_block_of(n, paths) for n in compute]
+    owner = [block_of(n, paths) for n in compute]
     for i, o in enumerate(owner):  # inserted nodes: the block around them
         if o is None:
             before = next((owner[j] for j in range(i - 1, -1, -1) if owner[j]), None)
