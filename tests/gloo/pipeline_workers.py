@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 import tpcompile
 from tpcompile.tools import models
@@ -51,16 +53,26 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, CFG["vocab"]), targets.reshape(-1))
 
 
-def pp_tp(rank: int, world_size: int) -> dict:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    stage_index = mesh["pp"].get_local_rank()
-    tokens = torch.randint(0, CFG["vocab"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+def _full_grad(tp, name: str, grad: torch.Tensor) -> torch.Tensor:
+    local = grad.full_tensor() if isinstance(grad, DTensor) else grad  # FSDP2's dp rows
+    entry = tp.plan.by_fqn.get(name)
+    return tpcompile.gather_full(local, None if entry is None else entry.placement, tp.plan, tp.group)
+
+
+def pp_tp(rank: int, world_size: int, dp: int = 1) -> dict:
+    """pp 2 x tp 2, or with ``dp`` 2 pp 2 x dp 2 x tp 2 (FSDP2 over dp inside each stage)."""
+    mesh = init_device_mesh("cpu", (2, dp, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stage_index, k = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    tokens = torch.randint(0, CFG["vocab"], (BATCH * dp, SEQ), generator=torch.Generator().manual_seed(1))
     targets = tokens.roll(-1, dims=1)
 
     reference = models.build("llama", **CFG)
-    ref_losses = [loss_fn(reference(t), y) for t, y in zip(tokens.chunk(MICROBATCHES),
-                                                           targets.chunk(MICROBATCHES))]
-    (sum(ref_losses) / MICROBATCHES).backward()  # GPipe scales gradients by 1 / microbatches
+    ref_losses = [loss_fn(reference(t), y) for t, y in zip(tokens.chunk(MICROBATCHES * dp),
+                                                           targets.chunk(MICROBATCHES * dp))]
+    # GPipe scales gradients by 1 / microbatches, FSDP2 averages them over dp
+    (sum(ref_losses) / (MICROBATCHES * dp)).backward()
+    ref_losses = ref_losses[k * MICROBATCHES:(k + 1) * MICROBATCHES]  # this dp rank's
+    tokens, targets = tokens.chunk(dp)[k], targets.chunk(dp)[k]
 
     full = models.build("llama", **CFG)
     micro = BATCH // MICROBATCHES
@@ -69,6 +81,8 @@ def pp_tp(rank: int, world_size: int) -> dict:
     else:
         stage_module, example = LastStage(full), torch.zeros(micro, SEQ, CFG["dim"])
     tp = tpcompile.parallelize(stage_module, (example,), mesh=mesh["tp"])
+    if dp > 1:
+        fully_shard(tp, mesh=mesh["dp"])
     # shapes inferred at the first step; see docs/scaling.md for explicit input_args/output_args
     stage = PipelineStage(tp, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=loss_fn)
@@ -77,7 +91,7 @@ def pp_tp(rank: int, world_size: int) -> dict:
         schedule.step(tokens)
     else:
         schedule.step(target=targets, losses=losses)
-    grads = tp.full_grads()
+    grads = {n: _full_grad(tp, n, p.grad) for n, p in tp.named_parameters()}
     want = dict(reference.named_parameters())
     scale = max(p.grad.abs().max().item() for p in reference.parameters())
     return {
