@@ -44,3 +44,26 @@ def test_blocks_that_differ_are_captured_whole():
     assert reused.plan.to_json() == whole.plan.to_json()
     x = models.example_inputs(model)
     assert torch.equal(reused.cap.gm(*x), whole.cap.gm(*x))
+
+
+class ReadsTheSecondToLastBlock(nn.Module):
+    """Its head reads ``layers[-2]``: block 1 of a 3-block copy, block 3 of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            outs.append(x)
+        return outs[-2] + x
+
+
+def test_a_read_of_another_than_the_last_block_is_captured_whole():
+    model, x = ReadsTheSecondToLastBlock(), (torch.randn(2, 8),)
+    whole = pipeline.plan(model, x, 2)
+    reused = pipeline.plan(model, x, 2, reuse_blocks=True)
+    assert REUSED not in reused.cap.gm.meta
+    assert reused.cap.gm.code == whole.cap.gm.code

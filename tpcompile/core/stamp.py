@@ -107,11 +107,21 @@ class _Stamper:
             self.per_block[base] = self.per_block.get(base, 0) + 1
 
     def usable(self) -> bool:
-        """Block 2 traced to block 1's graph, and each block's nodes are contiguous."""
+        """Block 2 traced to block 1's graph, each block's nodes are contiguous, and values
+        flow only from a block to the next (and from the last block to the rest): a read of
+        ``layers[-2]``'s output would name block 1 here and block n-2 in the whole model."""
         order = {x: i for i, x in enumerate(self.cap.gm.graph.nodes)}
         for group in self.runs.values():
             if not group or order[group[-1]] - order[group[0]] + 1 != len(group):
                 return False
+        run_of = {x: i for i, b in enumerate(self.blocks) for x in self.runs[b]}
+        for x in self.cap.gm.graph.nodes:
+            reader = run_of.get(x)
+            for a in x.all_input_nodes:
+                source = run_of.get(a)
+                if source is not None and (source != KEEP - 1 if reader is None
+                                           else reader - source not in (0, 1)):
+                    return False
         return self._key(1) == self._key(2)
 
     def _key(self, i: int):
@@ -192,6 +202,7 @@ class _Stamper:
 
     def _stamp_blocks(self, g, env, copy_node, shifted):
         template, middle = self.runs[self.blocks[2]], self.runs[self.blocks[1]]
+        position = {x: k for k, x in enumerate(middle)}
         for j in range(2, self.n):
             for k, x in enumerate(template):
                 mapping = {}
@@ -199,7 +210,7 @@ class _Stamper:
                     if (j, a) in env:                    # this block's node or weight
                         mapping[a] = env[(j, a)]
                     elif a in middle and j > 2:          # the previous block's output
-                        mapping[a] = env[(j - 1, template[middle.index(a)])]
+                        mapping[a] = env[(j - 1, template[position[a]])]
                     else:
                         mapping[a] = env[a]
                 env[(j, x)] = copy_node(x, mapping, shifted(x, j - 2), f"{self.path}.{j}")
