@@ -50,3 +50,25 @@ def test_a_model_without_repeated_blocks_is_refused():
     gm, _, _ = rewrite(model, models.example_inputs(model), 1, 0)
     with pytest.raises(TPCompileError, match="no ModuleList"):
         outline_blocks(types.SimpleNamespace(graph_module=gm))
+
+
+class RootParameter(torch.nn.Module):
+    """A parameter on the root module itself (ViT's pos_embed): FSDP2 replaces it there."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(4, 8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x + self.pos)
+
+
+def test_a_root_parameter_replaced_on_the_module_is_the_one_the_graph_reads():
+    from tpcompile.runtime.module import TPModule
+
+    model, x = RootParameter(), torch.randn(2, 4, 8)
+    gm, plan, _ = rewrite(model, (x,), 1, 0)
+    tp = TPModule(gm, plan, 0, None)
+    tp.pos = torch.nn.Parameter(torch.zeros(4, 8))  # what fully_shard and to_empty do
+    assert torch.equal(tp.graph_module(x), model.proj(x))
