@@ -2,6 +2,7 @@
 
     python bench/memory.py                 # markdown table on stdout, JSON in bench/results/
     python bench/memory.py --world-sizes 1 2 --models llama
+    python bench/memory.py --mesh          # TP x FSDP2 at 4 ranks: (dp, tp) in (1,4) (2,2) (4,1)
 
 *Parameter memory*: bytes of this rank's ``tp.state_dict()`` (shards + replicated tensors).
 *Activation memory*: bytes of the tensors autograd saves for backward during one forward, the
@@ -14,6 +15,11 @@ against ``sharded / N + replicated``, where *sharded* is every tensor the plan c
 *replicated* every tensor it keeps whole; the gap is what uneven shards cost. Read from the plan
 without a process group (``tpcompile.explain``: the shapes ``materialize_params`` allocates),
 so it also covers Llama-7B and 70B shapes built on meta at world size 8.
+
+*2-D meshes* (``--mesh``): Llama at 4 ranks as (dp, tp) in (1, 4), (2, 2), (4, 1): TP over
+``mesh["tp"]``, FSDP2 over ``mesh["dp"]`` (``tpcompile.fully_shard_blocks``; none at dp 1).
+After one AdamW step, the largest rank's parameter, gradient and optimizer-state bytes (local
+shards only) against the ideal, a quarter of the unsharded model's.
 
 Without sequence parallelism the residual stream, norms and embeddings stay replicated, so
 activations shrink less than parameters; with it (``sequence_parallel=True``) they shrink by
@@ -56,6 +62,57 @@ def _rank_main(rank: int, world_size: int, names: list[str]) -> dict:
             "activation_bytes_sp": None if sp is None else saved_activation_bytes(sp, inputs),
         }
     return out
+
+
+MESHES = ((1, 4), (2, 2), (4, 1))
+
+
+def _mesh_rank_main(rank: int, world_size: int, dp: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpcompile.state.chunks import local_of
+
+    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
+    model = models.build("llama", **CONFIG)
+    tokens = models.example_inputs(model, BATCH, SEQ)[0].chunk(dp)[mesh["dp"].get_local_rank()]
+    tp = tpcompile.parallelize(model, (tokens,), mesh=mesh["tp"])
+    if dp > 1:
+        tpcompile.fully_shard_blocks(tp, mesh["dp"])
+    opt = torch.optim.AdamW(tp.parameters())
+    tp(tokens).float().pow(2).mean().backward()
+    opt.step()
+
+    def nbytes(ts):
+        return sum(local_of(t).numel() * t.element_size() for t in ts)
+    states = [v for s in opt.state.values() for v in s.values() if v.ndim]  # moments, not step
+    return {"param_bytes": nbytes(p.detach() for p in tp.parameters()),
+            "grad_bytes": nbytes(p.grad for p in tp.parameters()),
+            "optim_bytes": nbytes(states),
+            "full_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def measure_meshes(world_size: int = 4) -> list[dict]:
+    rows = []
+    for dp, tp_size in MESHES:
+        per_rank = run_on_ranks(f"{__file__}:_mesh_rank_main", world_size, dp)
+        full = per_rank[0]["full_param_bytes"]
+        row = {"dp": dp, "tp": tp_size, "ideal_param_bytes": full / world_size}
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+            row[f"max_{key}"] = max(r[key] for r in per_rank)
+        rows.append(row)
+    return rows
+
+
+def mesh_markdown(rows: list[dict]) -> str:
+    lines = ["| (dp, tp) | parameters (MiB) | gradients (MiB) | optimizer state (MiB) "
+             "| ideal: params, grads / optimizer (MiB) | parameters over ideal |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ideal = r["ideal_param_bytes"]
+        lines.append(f"| ({r['dp']}, {r['tp']}) | {_mib(r['max_param_bytes'])} | "
+                     f"{_mib(r['max_grad_bytes'])} | {_mib(r['max_optim_bytes'])} | "
+                     f"{_mib(ideal)} / {_mib(2 * ideal)} | {r['max_param_bytes'] / ideal - 1:.1%} |")
+    return "\n".join(lines)
 
 
 def measure(world_sizes, names) -> list[dict]:
@@ -151,7 +208,18 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--vs-ideal", action="store_true",
                         help="parameter bytes against the ideal, from plans (no process group)")
+    parser.add_argument("--mesh", action="store_true",
+                        help="parameter, gradient, optimizer bytes at 4 ranks as (dp, tp) meshes")
     args = parser.parse_args(argv)
+    if args.mesh:
+        rows = measure_meshes()
+        table = mesh_markdown(rows)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "memory-mesh.json").write_text(json.dumps({"config": CONFIG, "rows": rows}, indent=1))
+        (RESULTS / "memory-mesh.md").write_text(table + "\n")
+        print(f"llama {CONFIG}, float32, AdamW, 4 ranks; the largest rank per row\n")
+        print(table)
+        return
     if args.vs_ideal:
         rows = ideal_matrix()
         table = ideal_markdown(rows)

@@ -3,6 +3,7 @@
     python bench/planning.py                     # the sweep: markdown table, JSON in results/
     python bench/planning.py --quick             # a shorter sweep (a minute on 2 cores)
     python bench/planning.py --breakdown         # where a 7B capture's time goes (~40 s)
+    python bench/planning.py --reuse             # 7B, 70B, 405B: whole export vs reused blocks
 
 Each point runs in a fresh subprocess, so its peak resident memory (``ru_maxrss``) is its own
 and no cache (fake-tensor, sympy, linecache) carries over from a smaller model. A point is what
@@ -18,6 +19,11 @@ The 7B and 70B points are also measured with static shapes, as ``plan_model(...,
 dynamic=False)`` and ``explain(..., dynamic=False)`` capture (planning that never runs the graph
 at other sizes). Growth is judged per captured graph node: seconds per node at the smallest and the largest
 point, and a least-squares line ``seconds = a + b * nodes`` with its worst relative residual.
+
+``--reuse`` measures the three largest shapes (7B 32 layers, 70B 80 layers, and *405B*: hidden
+16384, 128 query / 8 KV heads, SwiGLU 53248, vocabulary 128256, 126 layers) twice, side by
+side: the whole model exported (before) and ``reuse_blocks=True`` (after: three blocks
+exported, the others stamped from one, ``tpcompile/core/stamp.py``).
 
 ``--breakdown`` times torch.export alone on the 7B shape (median of 3 interleaved rounds) three
 ways (dynamic dims with FX stack
@@ -42,6 +48,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
     "7B": dict(dim=4096, n_heads=32, n_kv_heads=8, hidden=11008),
     "70B": dict(dim=8192, n_heads=64, n_kv_heads=8, hidden=28672),
+    "405B": dict(dim=16384, n_heads=128, n_kv_heads=8, hidden=53248, vocab=128256),
 }
 SWEEP = [("7B", 2), ("7B", 8), ("7B", 16), ("7B", 32), ("70B", 2), ("70B", 20), ("70B", 40),
          ("70B", 80)]
@@ -49,13 +56,15 @@ QUICK = [("7B", 2), ("7B", 8), ("7B", 32), ("70B", 80)]
 STATIC = [("7B", 32), ("70B", 80)]  # also planned as plan_model / explain(dynamic=False) do
 GOALS_S = {("7B", 32): 5.0, ("70B", 80): 30.0}
 GOAL_RSS_MB = 2048
+REUSE = [("7B", 32), ("70B", 80), ("405B", 126)]
+REUSE_GOALS_S = {("7B", 32): 3.0, ("70B", 80): 5.0, ("405B", 126): 10.0}
 
 
 def _meta_llama(shape: str, layers: int, seq: int):
     from tpcompile.tools import models
 
-    cfg = models.ModelConfig(vocab=32000, n_layers=layers, max_seq=seq, bias=False,
-                             **SHAPES[shape])
+    cfg = models.ModelConfig(**{"vocab": 32000, "n_layers": layers, "max_seq": seq,
+                                "bias": False, **SHAPES[shape]})
     with torch.device("meta"):
         model = models.Llama(cfg)
     warm = models.build("mlp")  # pay torch.export's one-time imports outside the timings
@@ -63,12 +72,13 @@ def _meta_llama(shape: str, layers: int, seq: int):
     return model, torch.zeros(2, seq, dtype=torch.long, device="meta")
 
 
-def measure_point(shape: str, layers: int, world_size: int, seq: int, dynamic: bool = True) -> dict:
+def measure_point(shape: str, layers: int, world_size: int, seq: int, dynamic: bool = True,
+                  reuse: bool = False) -> dict:
     """One point, in this process: build on meta, capture, plan, rewrite rank 0."""
     from tpcompile.passes import pipeline
 
     model, tokens = _meta_llama(shape, layers, seq)
-    planned = pipeline.plan(model, (tokens,), world_size, dynamic=dynamic)
+    planned = pipeline.plan(model, (tokens,), world_size, dynamic=dynamic, reuse_blocks=reuse)
     t0 = time.perf_counter()
     pipeline.rewrite(planned, 0, "tp")
     rewrite_s = time.perf_counter() - t0
@@ -76,7 +86,8 @@ def measure_point(shape: str, layers: int, world_size: int, seq: int, dynamic: b
     plan_s = planned.seconds["planning_passes"] + planned.seconds["plan_sharding"]
     nodes = len(planned.cap.gm.graph.nodes)
     return {"shape": shape, "layers": layers, "world_size": world_size, "seq": seq,
-            "capture": "dynamic" if dynamic else "static", "nodes": nodes,
+            "capture": ("dynamic" if dynamic else "static") + (", reused blocks" if reuse else ""),
+            "nodes": nodes,
             "params": sum(p.numel() for p in model.parameters()),
             "capture_s": capture_s, "plan_s": plan_s, "rewrite_s": rewrite_s,
             "total_s": capture_s + plan_s + rewrite_s,
@@ -119,12 +130,13 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return a, b, max(abs(y - (a + b * x)) / y for x, y in zip(xs, ys))
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], reuse_goals: bool = False) -> str:
     lines = ["| shape | layers | capture | parameters | graph nodes | capture s | plan s "
              "| rewrite s | total s | ms / node | peak RSS MB | goal |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        goal = GOALS_S.get((r["shape"], r["layers"]))
+        goals = REUSE_GOALS_S if reuse_goals else GOALS_S
+        goal = goals.get((r["shape"], r["layers"]))
         verdict = "" if goal is None else (
             f"< {goal:.0f} s: {'met' if r['total_s'] < goal else 'missed'}")
         lines.append(
@@ -165,13 +177,24 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="4 points instead of 8")
     p.add_argument("--breakdown", action="store_true",
                    help="torch.export of the 7B shape: with / without stack traces, static")
+    p.add_argument("--reuse", action="store_true",
+                   help="7B / 70B / 405B shapes: whole export (before) vs reuse_blocks (after)")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--out", help="results file stem (default: planning, planning-breakdown)")
     args = p.parse_args(argv)
-    out = args.out or ("planning-breakdown" if args.breakdown else "planning")
+    out = args.out or ("planning-breakdown" if args.breakdown else
+                       "planning-reuse" if args.reuse else "planning")
     rows = []
-    if args.breakdown:  # modes interleaved, 3 rounds, median per mode
+    if args.reuse:
+        for shape, layers in REUSE:
+            for reuse in (False, True):
+                rows.append(_in_subprocess(f"measure_point({shape!r}, {layers}, {args.world_size}, "
+                                           f"{args.seq}, True, {reuse})"))
+                print(f"  {shape} {layers} layers ({rows[-1]['capture']}): "
+                      f"{rows[-1]['total_s']:.2f} s, {rows[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr)
+        table, summary = markdown(rows, reuse_goals=True), ""
+    elif args.breakdown:  # modes interleaved, 3 rounds, median per mode
         runs = {mode: [] for mode in EXPORT_MODES}
         for _ in range(3):
             for mode in EXPORT_MODES:

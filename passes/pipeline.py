@@ -29,6 +29,7 @@ from torch import fx, nn
 
 from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
+from tpcompile.core.stamp import capture_reusing_blocks
 from tpcompile.errors import CaptureError, TPCompileError
 from tpcompile.passes.planner.decompose import MAX_ROUNDS, decomposable, decompose_nodes
 from tpcompile.passes.planner.mutations import clone_converted_writes_pass
@@ -113,13 +114,16 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
 
 def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
          options: PlanOptions = PlanOptions(), dynamic: bool = True, stack_traces: bool = False,
-         record: bool | Callable[[fx.GraphModule], str] = False,
+         reuse_blocks: bool = False, record: bool | Callable[[fx.GraphModule], str] = False,
          progress: Callable[[str], None] = lambda message: None) -> Planned:
     """Capture ``model``, run :data:`PLANNING_PASSES`, and plan for ``world_size`` ranks.
 
     ``progress`` receives a line once the graph is captured (planning a large model takes a
     while after that). ``stack_traces``: keep model lines in the graph, for the planner's
     reasons (a sixth of export's time, so inspection asks for it and ``parallelize`` does not).
+    ``reuse_blocks``: export three of the model's identical blocks and repeat block 2's graph
+    for the others (:mod:`tpcompile.core.stamp`): the same graph and plan, in a time that
+    hardly grows with depth.
     """
     if isinstance(model, TPModule):
         raise CaptureError(
@@ -127,8 +131,9 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
             "\n  hint: call parallelize on the original model (parallelize leaves it untouched), "
             "not on its result")
     t0 = time.perf_counter()
-    cap = capture(model, example_inputs, example_kwargs, dynamic=dynamic,
-                  static_dims=options.static_dims, stack_traces=stack_traces)
+    cap = (capture_reusing_blocks if reuse_blocks else capture)(
+        model, example_inputs, example_kwargs, dynamic=dynamic,
+        static_dims=options.static_dims, stack_traces=stack_traces)
     t1 = time.perf_counter()
     progress(f"captured {len(cap.gm.graph.nodes)} graph nodes in {t1 - t0:.1f}s; planning for "
              f"{world_size} ranks")

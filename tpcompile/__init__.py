@@ -16,10 +16,12 @@ from tpcompile.inspect.explain import Report, explain
 from tpcompile.runtime.module import TPModule, gather_full
 from tpcompile.state.full_state import load_full_state_dict
 from tpcompile.runtime.vocab import sharded_cross_entropy
+from tpcompile.runtime.blocks import fully_shard_blocks, outline_blocks
 
 __all__ = [
     "parallelize", "plan_model", "explain", "diff", "Report", "GraphDiff", "ShardingPlan",
-    "TPModule", "gather_full", "sharded_cross_entropy",
+    "TPModule", "gather_full", "sharded_cross_entropy", "outline_blocks",
+    "fully_shard_blocks",
     "backend", "parallelized", "compile_options", "mark_dynamic",
     "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError", "PlanError", "InputError",
     "InputMismatchError", "CollectiveError",

@@ -47,17 +47,19 @@ def resolve_group(mesh=None):
 
 
 def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
-               dynamic: bool = True, **options) -> tuple:
+               dynamic: bool = True, reuse_blocks: bool = False, **options) -> tuple:
     """Capture ``model`` and plan it for ``world_size`` ranks; no process group needed.
 
     Returns ``(cap, plan)``: the planned capture (``cap.gm`` is the graph the plan names) and
     the :class:`ShardingPlan`. ``options``: ``vocab_parallel``, ``loss_parallel``,
     ``sequence_parallel`` (see :class:`PlanOptions`). ``dynamic=False`` captures at the
     example's sizes only: the same plan, 2.5x faster on a large model, for planning that
-    never runs the graph at other sizes.
+    never runs the graph at other sizes. ``reuse_blocks=True`` exports three of the model's
+    identical blocks and repeats one (:mod:`tpcompile.core.stamp`): the same plan, faster.
     """
     planned = pipeline.plan(model, example_inputs, world_size, example_kwargs,
-                            options=PlanOptions(**options), dynamic=dynamic)
+                            options=PlanOptions(**options), dynamic=dynamic,
+                            reuse_blocks=reuse_blocks)
     return planned.cap, planned.plan
 
 
@@ -75,7 +77,8 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
 
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
                 vocab_parallel: bool = False, loss_parallel: bool = False,
-                sequence_parallel: bool = False, check_calls: str = "new") -> TPModule:
+                sequence_parallel: bool = False, check_calls: str = "new",
+                reuse_blocks: bool = False) -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
@@ -97,6 +100,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             the first call with each new signature (later ones cost a dict lookup);
             ``"every"`` every call, which also names a rank that skipped a call or a
             backward (one tiny gloo all-reduce per call). See docs/guarantees.md.
+        reuse_blocks: capture three of the model's identical blocks with torch.export and
+            repeat one's graph for the others: the same graph and plan, in a planning time
+            that hardly grows with depth (falls back to a whole capture when blocks differ).
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -110,7 +116,8 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                           sequence_parallel=sequence_parallel)
     # ranks agree on what they planned before the model's first collective; raises on every rank
     with agreement(group, values=value_entries(model)) as entries:
-        planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options)
+        planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options,
+                                reuse_blocks=reuse_blocks)
         gm, _ = pipeline.rewrite(planned, rank, group.group_name)
         entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
     return TPModule(gm, planned.plan, rank, group, check_calls)

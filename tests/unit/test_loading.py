@@ -152,7 +152,7 @@ def test_sharded_param_describes_chunks_and_refuses_math(eager, buffers):
     tpcompile.load_full_state_dict(tp, eager.state_dict(), buffers=buffers)
     sd = sharded_state_dict(tp)
     wq = sd["layers.0.attention.wq.weight"]
-    assert isinstance(wq, ShardedParam) and wq.shape == (64, 64) and wq.local.shape == (16, 64)
+    assert isinstance(wq, ShardedParam) and wq.shape == (64, 64) and wq.source.shape == (16, 64)
     assert [c.offsets[0] for c in wq.__create_chunk_list__()] == [48]
     wk = sd["layers.0.attention.wk.weight"]  # 2 KV heads at 4 ranks: held by all, rank 0 writes
     assert [c.sizes[0] for c in wk.__create_chunk_list__()] == [16]

@@ -208,6 +208,14 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             "make forward traceable (no data-dependent Python control flow, tensors in and out)"
         ) from e
     gm = canonical_order(ep.module())
+    aliases, params = attribute_info(gm, model)
+    specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor))
+    return _noted(Capture(gm, aliases, params, specs), *notes)
+
+
+def attribute_info(gm: fx.GraphModule, model: nn.Module):
+    """(get_attr target -> the model's FQNs of that tensor, trainable parameter targets)."""
     aliases_by_id = param_aliases(model)
     aliases, params = {}, set()
     for node in gm.graph.nodes:
@@ -218,9 +226,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             aliases[node.target] = aliases_by_id.get(id(t), (node.target,))
             if isinstance(t, nn.Parameter) and t.requires_grad:
                 params.add(node.target)
-    specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor))
-    return _noted(Capture(gm, aliases, frozenset(params), specs), *notes)
+    return aliases, frozenset(params)
 
 
 def _noted(cap: Capture, *notes: str) -> Capture:

@@ -175,7 +175,8 @@ def _located(trace: RewriteTrace, reasons: dict[str, str]) -> list[dict]:
 
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
             progress: Callable[[str], None] | None = None, dynamic: bool = True,
-            example_kwargs: dict | None = None, html: bool = False, **options):
+            example_kwargs: dict | None = None, html: bool = False, reuse_blocks: bool = False,
+            **options):
     """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
 
     Needs no process group and no GPU; build the model under ``torch.device("meta")`` to plan
@@ -187,10 +188,12 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     capture a large model (the rewritten code then shows those sizes as constants).
     ``html=True`` returns the self-contained HTML page instead (a picture of the plan: see
     :mod:`tpcompile.inspect.explain_html`).
+    ``reuse_blocks=True`` exports three of a model's identical blocks and repeats one for the
+    rest: the same report, in a time that hardly grows with depth (docs/scaling.md).
     """
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
                           progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
-                          options=PlanOptions(**options))
+                          options=PlanOptions(**options), reuse_blocks=reuse_blocks)
     collectives = list_collectives(trace)
     per_rank, total = param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)

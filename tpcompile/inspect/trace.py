@@ -61,14 +61,15 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
                   render: Callable[[fx.GraphModule], str] | None = None,
                   copy_weights: bool = True, group_name: str = "tp",
                   progress: Callable[[str], None] | None = None,
-                  dynamic: bool = True) -> RewriteTrace:
+                  dynamic: bool = True, reuse_blocks: bool = False) -> RewriteTrace:
     """Capture, plan for ``world_size`` ranks and rewrite rank ``rank``'s graph.
 
     ``example_kwargs`` and ``options`` are ``parallelize``'s (vocabulary, loss and sequence
     parallelism), so the trace is what that call would run. ``render``: a ``gm -> str``
     snapshot taken after capture and after every pass (the diff's input); None keeps none. ``copy_weights=False`` skips ``materialize_params``: the
     report needs the graph, not a copy of every weight of a real 7B model. ``dynamic=False``
-    captures with static shapes (see :func:`tpcompile.core.capture.capture`).
+    captures with static shapes (see :func:`tpcompile.core.capture.capture`);
+    ``reuse_blocks`` exports three identical blocks and repeats one (:mod:`tpcompile.core.stamp`).
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise TPCompileError(f"need world_size >= 1 and 0 <= rank < world_size, got world_size "
@@ -78,6 +79,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     _tell(progress, f"capturing {name} ({n_params:,} parameters) with torch.export")
     planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options,
                             dynamic=dynamic, stack_traces=True, record=render or False,
+                            reuse_blocks=reuse_blocks,
                             progress=progress or (lambda message: None))
     cap, plan = planned.cap, planned.plan
     chains, chain_of = find_chains(cap.gm, plan)

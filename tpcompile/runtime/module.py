@@ -33,6 +33,9 @@ class TPModule(nn.Module):
             self.register_parameter(name, p)
         for name, b in gm.named_buffers(recurse=False):
             self.register_buffer(name, b, persistent=name not in gm._non_persistent_buffers_set)
+        # one dict for both: a root tensor replaced on the module (FSDP2's fully_shard, to(),
+        # to_empty()) is the one the graph's get_attr reads
+        gm._parameters, gm._buffers = self._parameters, self._buffers
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
         object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
@@ -49,13 +52,6 @@ class TPModule(nn.Module):
             self.call_check.track_backward(outputs)
             return outputs
         return self.graph_module(*args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        """``to`` / ``to_empty`` / ``float`` may replace top-level tensors: the graph reads them too."""
-        super()._apply(fn, recurse)
-        self.graph_module._parameters.update(self._parameters)
-        self.graph_module._buffers.update(self._buffers)
-        return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, for this rank's shards (a round trip of ``state_dict()`` at this world size).

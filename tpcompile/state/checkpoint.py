@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime.module import TPModule
-from tpcompile.core.shards import Piece, shard_pieces
+from tpcompile.state.chunks import Chunk, held_chunks, local_of
 
 __all__ = ["ShardedParam", "sharded_state_dict", "sharded_optimizer_state_dict", "save", "load"]
 
@@ -36,23 +37,25 @@ OPTIMIZER_KEY = "optimizer"  # the optimizer's subtree in a checkpoint; the mode
 class ShardedParam(torch.Tensor):
     """A rank's shard presented to DCP as the global tensor it is part of.
 
-    It has the global shape and no data of its own: DCP only asks it for chunks and for views
-    of the local shard (``local``), which it writes from or reads into in place. Any other
-    tensor operation on it is an error.
+    It has the global shape and no data of its own: DCP only asks it for chunks (see
+    :mod:`tpcompile.state.chunks`: tensor-parallel pieces, cut again by FSDP2's rows when the
+    model is also fully sharded) and for views of the rank's memory, which it writes from or
+    reads into in place. ``source`` is the tensor it describes (the local shard, or FSDP2's
+    ``DTensor``). Any other tensor operation on it is an error.
     """
 
-    local: torch.Tensor
-    dim: int
-    pieces: tuple[Piece, ...]
+    source: torch.Tensor
+    chunks: tuple[Chunk, ...]
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, global_shape, dim: int, pieces: tuple[Piece, ...]):
-        if local.device.type == "meta":
+    def __new__(cls, source: torch.Tensor, global_shape, chunks):
+        if source.device.type == "meta":
             raise TPCompileError(
                 "cannot checkpoint meta shards: allocate them first (tpcompile.state.meta_init.to_empty)")
+        local = local_of(source)
         self = torch.Tensor._make_wrapper_subclass(
             cls, torch.Size(global_shape), dtype=local.dtype, device=local.device)
-        self.local, self.dim, self.pieces = local, dim, pieces
+        self.source, self.chunks = source, tuple(chunks)
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -64,45 +67,34 @@ class ShardedParam(torch.Tensor):
             "supported on it (use tp.state_dict() for the local tensors)")
 
     def __repr__(self) -> str:
-        return (f"ShardedParam(global={tuple(self.shape)}, dim={self.dim}, "
-                f"local={tuple(self.local.shape)}, pieces={len(self.pieces)})")
+        return f"ShardedParam(global={tuple(self.shape)}, chunks={[c.sizes for c in self.chunks]})"
 
-    def _chunk(self, piece: Piece) -> ChunkStorageMetadata:
-        offsets, sizes = [0] * self.ndim, list(self.shape)
-        offsets[self.dim], sizes[self.dim] = piece.start, piece.size
-        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    @staticmethod
+    def _meta(chunk: Chunk) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))
 
     # ---- the _Checkpointable protocol -------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        props = TensorProperties.create_from_tensor(self.local)
-        items = []
-        for piece in self.pieces:
-            if not piece.owned:
-                continue  # a lower rank holds it too and writes it
-            chunk = self._chunk(piece)
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.shape)))
-        return items
+        props = TensorProperties.create_from_tensor(local_of(self.source))
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(c.offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self._meta(c), properties=props, size=self.shape))
+                for c in self.chunks if c.owned]  # a chunk held by several ranks: its owner writes it
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk(p) for p in self.pieces]
+        return [self._meta(c) for c in self.chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for piece in self.pieces:
-            if index.offset is not None and index.offset[self.dim] == piece.start:
-                return piece.of_local(self.local, self.dim)
+        for chunk in self.chunks:
+            if index.offset is not None and tuple(index.offset) == chunk.offsets:
+                return chunk.view
         raise TPCompileError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
 
 
 def _wrapper(tp: TPModule):
     """name, local tensor -> what DCP should see: a ShardedParam for sharded tensors."""
-    def wrap(name: str, local: torch.Tensor) -> torch.Tensor:
-        entry = tp.plan.by_fqn.get(name)
-        pieces = None if entry is None else shard_pieces(tp.plan, entry.placement, tp.rank)
-        if pieces is None:
-            return local
-        return ShardedParam(local, entry.global_shape, entry.placement.dim, pieces)
+    def wrap(name: str, value: torch.Tensor) -> torch.Tensor:
+        held = held_chunks(tp.plan, name, value, tp.rank)
+        return value if held is None else ShardedParam(value, *held)
 
     return wrap
 
@@ -128,16 +120,16 @@ def sharded_optimizer_state_dict(tp: TPModule, optimizer: torch.optim.Optimizer)
     wrap = _wrapper(tp)
     osd = get_optimizer_state_dict(tp, optimizer)
     local_shapes = {n: p.shape for n, p in tp.named_parameters()}
-    for name, state in osd["state"].items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == local_shapes[name]:
-                state[key] = wrap(name, value)
+    osd["state"] = {  # new dicts: under FSDP2 the ones returned are the optimizer's own
+        name: {key: wrap(name, value) if isinstance(value, torch.Tensor)
+               and value.shape == local_shapes[name] else value for key, value in state.items()}
+        for name, state in osd["state"].items()}
     return osd
 
 
 def _unwrapped(tree):
     if isinstance(tree, ShardedParam):
-        return tree.local
+        return tree.source
     if isinstance(tree, dict):
         return {k: _unwrapped(v) for k, v in tree.items()}
     if isinstance(tree, list):
@@ -158,18 +150,26 @@ def _tree(tp: TPModule, optimizer) -> dict:
     return tree
 
 
+def _group(tp: TPModule):
+    """DCP's group: the tensor-parallel group, or every rank once FSDP2 also shards ``tp``
+    (a 2-D mesh covering the default group; pass ``process_group=`` for another)."""
+    return None if any(isinstance(p, DTensor) for p in tp.parameters()) else tp.group
+
+
 def save(tp: TPModule, checkpoint_id, optimizer: torch.optim.Optimizer | None = None, **kwargs):
-    """``dcp.save`` of ``tp``'s shards (and ``optimizer``'s state) over its process group.
+    """``dcp.save`` of ``tp``'s shards (and ``optimizer``'s state) over its ranks.
 
     Call on every rank. The model's tensors are stored under their own FQNs, so the checkpoint
     also loads into the unsharded model with ``dcp.load(model.state_dict(), ...)``.
     """
-    return dcp.save(_tree(tp, optimizer), checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+    kwargs.setdefault("process_group", _group(tp))
+    return dcp.save(_tree(tp, optimizer), checkpoint_id=checkpoint_id, **kwargs)
 
 
 def load(tp: TPModule, checkpoint_id, optimizer: torch.optim.Optimizer | None = None, **kwargs) -> None:
     """``dcp.load`` into ``tp``'s shards (and ``optimizer``), from any world size or unsharded."""
     tree = _tree(tp, optimizer)
-    dcp.load(tree, checkpoint_id=checkpoint_id, process_group=tp.group, **kwargs)
+    kwargs.setdefault("process_group", _group(tp))
+    dcp.load(tree, checkpoint_id=checkpoint_id, **kwargs)
     if optimizer is not None:
         set_optimizer_state_dict(tp, optimizer, _unwrapped(tree[OPTIMIZER_KEY]))

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from tpcompile.errors import TPCompileError
+from tpcompile.state.hf_checkpoint import INDEX, HFShardedSource
 from tpcompile.state.meta_init import has_meta, to_empty
 from tpcompile.runtime.module import TPModule
 from tpcompile.core.shards import shard_pieces
@@ -87,7 +88,11 @@ class _SafetensorsSource:
 
 
 def _source(source):
+    if isinstance(source, HFShardedSource):
+        return source
     if isinstance(source, (str, os.PathLike)):
+        if (Path(source) / INDEX).is_file():  # a save_pretrained directory: index + shards
+            return HFShardedSource(source)
         return _SafetensorsSource(source)
     if isinstance(source, dict):
         return _DictSource(source)
@@ -100,8 +105,11 @@ def load_full_state_dict(tp: TPModule, source, strict: bool = True, device="cpu"
     """Copy this rank's slices of the full state dict ``source`` into ``tp``'s shards.
 
     Args:
-        source: a full state dict (name -> tensor, e.g. ``model.state_dict()``), or the path of
-            a ``.safetensors`` file or of a directory of them (needs ``tpcompile[io]``).
+        source: a full state dict (name -> tensor, e.g. ``model.state_dict()``), the path of
+            a ``.safetensors`` file or of a directory of them (needs ``tpcompile[io]``), or a
+            Hugging Face ``save_pretrained`` directory (``model.safetensors.index.json`` and
+            its shard files), from which only this rank's slices are read
+            (:mod:`tpcompile.state.hf_checkpoint`).
         strict: raise when ``tp`` has a tensor the source lacks or the source has extra keys;
             otherwise both are returned.
         device, buffers: used when ``tp`` was built on the meta device, see

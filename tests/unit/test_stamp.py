@@ -1,0 +1,69 @@
+"""Capture reusing blocks (core/stamp.py): the same graph and plan as a whole export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tpcompile.core.plan import PlanOptions
+from tpcompile.core.stamp import REUSED
+from tpcompile.passes import pipeline
+from tpcompile.tools import models
+
+
+def _both(model, world_size: int, **options):
+    x = models.example_inputs(model)
+    whole = pipeline.plan(model, x, world_size, options=PlanOptions(**options))
+    reused = pipeline.plan(model, x, world_size, options=PlanOptions(**options), reuse_blocks=True)
+    return whole, reused
+
+
+@pytest.mark.parametrize("name, options", [("llama", {}), ("gpt2", {"sequence_parallel": True})])
+def test_reused_plan_equals_the_whole_graph_plan_on_4_layers(name, options):
+    whole, reused = _both(models.build(name, n_layers=4), 4, **options)
+    assert reused.cap.gm.meta[REUSED] == ("layers" if name == "llama" else "blocks", 4)
+    a, b = whole.plan, reused.plan
+    assert list(a.params) == list(b.params)  # parameter by parameter
+    for fqn in a.params:
+        assert a.params[fqn] == b.params[fqn], fqn
+    assert len(a.conversions) == len(b.conversions) > 0  # collective by collective
+    for c, d in zip(a.conversions, b.conversions):
+        assert c == d
+    assert a.placements == b.placements and a.to_json() == b.to_json()
+    assert reused.cap.gm.code == whole.cap.gm.code  # the same graph, node names included
+    assert reused.cap.aliases == whole.cap.aliases and reused.cap.params == whole.cap.params
+
+
+def test_blocks_that_differ_are_captured_whole():
+    model = models.build("llama", n_layers=4)
+    model.layers[3].feed_forward.w2 = nn.Linear(128, 64, bias=False)  # same shapes, ...
+    model.layers[3].feed_forward.w2.extra = 1                           # ... another attribute
+    whole, reused = _both(model, 2)
+    assert REUSED not in reused.cap.gm.meta
+    assert reused.plan.to_json() == whole.plan.to_json()
+    x = models.example_inputs(model)
+    assert torch.equal(reused.cap.gm(*x), whole.cap.gm(*x))
+
+
+class ReadsTheSecondToLastBlock(nn.Module):
+    """Its head reads ``layers[-2]``: block 1 of a 3-block copy, block 3 of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            outs.append(x)
+        return outs[-2] + x
+
+
+def test_a_read_of_another_than_the_last_block_is_captured_whole():
+    model, x = ReadsTheSecondToLastBlock(), (torch.randn(2, 8),)
+    whole = pipeline.plan(model, x, 2)
+    reused = pipeline.plan(model, x, 2, reuse_blocks=True)
+    assert REUSED not in reused.cap.gm.meta
+    assert reused.cap.gm.code == whole.cap.gm.code
