@@ -12,14 +12,16 @@ Capture therefore makes the order a function of what the graph computes, not of 
 
 - Nodes that mutate memory, draw random numbers or touch global state (*barriers*) keep their
   program order, and every other node stays between the same two barriers as before: a read
-  of a buffer never moves across a write to it, nor dropout masks across each other.
+  of a buffer never moves across a write to it, nor dropout masks across each other. A node
+  also stays within its run of the same repeated block (``layers.3``), so each block's nodes
+  stay together and top-level code stays where it ran.
 - Between two barriers, a node runs just before the first node that needs it, operands in
   argument order (demand order), the way one reads the code from its result backwards.
 - Nodes nobody reads (export's metadata assertions, dead code) run right after their last
   operand.
 
 Nodes are then named afresh in that order, as export names them (``view``, ``view_1``, ...);
-placeholders and attribute reads keep their names (they come from the model's own names).
+placeholders and attribute reads keep their names and export's order (the model's own).
 """
 
 from __future__ import annotations
@@ -70,23 +72,30 @@ def _demand_order(roots: list[fx.Node], span: set[fx.Node], placed: set[fx.Node]
     return out
 
 
+def _scope(node: fx.Node) -> str:
+    """The repeated block a node runs in (``layers.3`` of ``layers.3.attn.wq``), or ""."""
+    stack = node.meta.get("nn_module_stack")
+    path = next(reversed(stack.values()))[0] if stack else ""
+    parts = path.split(".")
+    cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return ".".join(parts[:cut + 1]) if cut is not None else ""
+
+
 def _spans(nodes: list[fx.Node]) -> list[list[fx.Node]]:
-    """The movable nodes between consecutive barriers; each span but the last ends with its barrier."""
+    """Runs of movable nodes: a barrier ends one, and so does a change of repeated block (a
+    block's nodes stay together, as tools that cut the graph per block expect)."""
     spans: list[list[fx.Node]] = [[]]
-    span_of: dict[fx.Node, int] = {}
+    scope = None
     for node in nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        span_of[node] = len(spans) - 1
+        if spans[-1] and _scope(node) != scope:
+            spans.append([])
+        scope = _scope(node)
         spans[-1].append(node)
         if is_barrier(node):
             spans.append([])
-    # an attribute read only names a tensor: it joins the first span that reads it
-    for node in nodes:
-        if node.op == "get_attr":
-            readers = [span_of[u] for u in node.users if u in span_of]
-            spans[min(readers, default=len(spans) - 1)].insert(0, node)
-    return spans
+    return [span for span in spans if span] or [[]]
 
 
 def _stable_topological(order: list[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
@@ -144,7 +153,8 @@ def _order_span(span: list[fx.Node], where: dict[fx.Node, tuple[int, int]], inde
 def canonical_order(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with its graph in canonical order and names (capture runs it on every graph)."""
     nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    # attribute reads and inputs keep export's order (the model's own, and nothing else's)
+    placeholders = [n for n in nodes if n.op in ("placeholder", "get_attr")]
     output = next(n for n in reversed(nodes) if n.op == "output")
     spans = _spans(nodes)
     where: dict[fx.Node, tuple[int, int]] = {output: (len(spans), 0)}
