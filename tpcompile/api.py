@@ -11,15 +11,20 @@ Example (under ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
+import copy
+import warnings
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from tpcompile.core.plan import PlanOptions, ShardingPlan
-from tpcompile.errors import MeshError
+from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
-from tpcompile.runtime.calls import check_mode
+from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
+from tpcompile.runtime.signatures import written_buffers
 from tpcompile.runtime.timeouts import warn_if_unbounded
 
 __all__ = ["parallelize", "plan_model", "rewrite", "resolve_group"]
@@ -113,4 +118,37 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options)
         gm, _ = pipeline.rewrite(planned, rank, group.group_name)
         entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
-    return TPModule(gm, planned.plan, rank, group, check_calls)
+    tp = TPModule(gm, planned.plan, rank, group, check_calls)
+    if written_buffers(gm):  # a static KV cache: prefill and decode calls are two captures
+        tp.capture_signature = _signature_capture(model, planned.plan, rank, group.group_name)
+    return tp
+
+
+def _signature_capture(model: nn.Module, plan, rank: int, group_name: str):
+    """``(args, kwargs) -> graph``: plan and rewrite ``model`` for another call signature.
+
+    It keeps a copy of ``model`` on the meta device (no weights: the graph is bound to the
+    module's own tensors afterwards), so the caller may still free ``model``. The new plan
+    must place every tensor as ``plan`` does (checked: the graphs share the tensors).
+    """
+    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                    if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+            for t in list(model.parameters()) + list(model.buffers())}
+    skeleton = copy.deepcopy(model, memo)
+
+    def capture_signature(args: tuple, kwargs: dict):
+        meta = tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a
+                     for a in args)
+        with warnings.catch_warnings():  # "accepts only 1 there": what this capture is for
+            warnings.simplefilter("ignore")
+            planned = pipeline.plan(skeleton, meta, plan.world_size, kwargs or None,
+                                    options=plan.options)
+        moved = {n: (p.placement, q.placement) for n, p in plan.params.items()
+                 if (q := planned.plan.params.get(n)) is not None and p.placement != q.placement}
+        if moved:
+            name, (was, now) = next(iter(moved.items()))
+            raise PlanError(f"the call {describe(args, kwargs)} plans {name} as {now}, the "
+                            f"module's first call as {was}: one module cannot serve both")
+        gm, _ = pipeline.rewrite(planned, rank, group_name, skip=("materialize_params",))
+        return gm
+    return capture_signature
