@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
+from tpcompile.passes.rewrite.device import retarget_device_pass
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
@@ -119,36 +121,55 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         gm, _ = pipeline.rewrite(planned, rank, group.group_name)
         entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
     tp = TPModule(gm, planned.plan, rank, group, check_calls)
-    if written_buffers(gm):  # a static KV cache: prefill and decode calls are two captures
-        tp.capture_signature = _signature_capture(model, planned.plan, rank, group.group_name)
+    if written_buffers(gm) or callable(getattr(model, "generate", None)):
+        # a static KV cache (prefill and decode calls are two captures), or a Hugging Face
+        # model whose generate() captures a static-cache wrapper around it
+        tp.capture_signature = SignatureCapture(model, planned.plan, rank, group.group_name)
     return tp
 
 
-def _signature_capture(model: nn.Module, plan, rank: int, group_name: str):
-    """``(args, kwargs) -> graph``: plan and rewrite ``model`` for another call signature.
+class SignatureCapture:
+    """``(args, kwargs) -> graph``: plan and rewrite the model for another call signature.
 
-    It keeps a copy of ``model`` on the meta device (no weights: the graph is bound to the
-    module's own tensors afterwards), so the caller may still free ``model``. The new plan
-    must place every tensor as ``plan`` does (checked: the graphs share the tensors).
+    It keeps a copy of the model on the meta device (:attr:`skeleton`, no weights: the graph is
+    bound to the module's own tensors afterwards), so the caller may still free the model.
+    ``module`` (built around the skeleton, holding it as ``prefix``) is captured instead: a
+    wrapper that owns a static KV cache. Every tensor the first plan holds must be placed as
+    that plan places it (checked: the graphs share the tensors). The new graph's own plan is
+    ``gm.meta["tpcompile_plan"]`` (the wrapper's cache buffers are allocated from it).
     """
-    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
-                    if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-            for t in list(model.parameters()) + list(model.buffers())}
-    skeleton = copy.deepcopy(model, memo)
 
-    def capture_signature(args: tuple, kwargs: dict):
+    def __init__(self, model: nn.Module, plan, rank: int, group_name: str):
+        memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+                for t in list(model.parameters()) + list(model.buffers())}
+        self.skeleton = copy.deepcopy(model, memo)
+        self.device = next(model.parameters(), torch.empty(0)).device
+        self.plan, self.rank, self.group_name = plan, rank, group_name
+
+    def __call__(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
+                 prefix: str = ""):
         meta = tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a
                      for a in args)
         with warnings.catch_warnings():  # "accepts only 1 there": what this capture is for
             warnings.simplefilter("ignore")
-            planned = pipeline.plan(skeleton, meta, plan.world_size, kwargs or None,
-                                    options=plan.options)
-        moved = {n: (p.placement, q.placement) for n, p in plan.params.items()
-                 if (q := planned.plan.params.get(n)) is not None and p.placement != q.placement}
-        if moved:
-            name, (was, now) = next(iter(moved.items()))
-            raise PlanError(f"the call {describe(args, kwargs)} plans {name} as {now}, the "
-                            f"module's first call as {was}: one module cannot serve both")
-        gm, _ = pipeline.rewrite(planned, rank, group_name, skip=("materialize_params",))
+            planned = pipeline.plan(self.skeleton if module is None else module, meta,
+                                    self.plan.world_size, kwargs or None, options=self.plan.options)
+        for name, entry in self.plan.params.items():
+            other = planned.plan.params.get(prefix + name)
+            if other is not None and _cut(planned.plan, other) != _cut(self.plan, entry):
+                raise PlanError(
+                    f"the call {describe(args, kwargs)} plans {name} as {other.placement}, the "
+                    f"module's first call as {entry.placement}: one module cannot serve both")
+        gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",))
+        retarget_device_pass(gm, torch.device("meta"), self.device)  # captured on the skeleton
+        gm.recompile()
+        gm.meta["tpcompile_plan"] = planned.plan
         return gm
-    return capture_signature
+
+
+def _cut(plan, entry):
+    """Which slice of a tensor each rank holds (root names differ between captures)."""
+    p = entry.placement
+    ranges = plan.specs.ranges(p.layout) if isinstance(p, Shard) else None
+    return type(p).__name__, getattr(p, "dim", None), entry.local_shapes, ranges

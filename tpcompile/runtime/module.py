@@ -72,6 +72,20 @@ class TPModule(nn.Module):
         self.signatures.append((InputSpec.of(gm), gm))
         return self.signatures[-1]
 
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, **kwargs) -> torch.Tensor:
+        """``model.generate`` of a Hugging Face causal LM, on this rank's shards (call on all).
+
+        ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``eos_token_id``, ``pad_token_id`` or a ``generation_config``, as for ``generate``;
+        left-padded batches with their ``attention_mask``. A static KV cache sharded on kv
+        heads is captured once per batch size and length (see tpcompile.runtime.generation);
+        its graphs read this module's parameters, so a training step's updates are used.
+        Returns the prompts followed by the new tokens, the same on every rank.
+        """
+        from tpcompile.runtime.generation import generate
+        return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+
     def reset_caches(self) -> None:
         """Zero every buffer the graphs write in place (a static KV cache), on this rank."""
         held = dict(self.named_buffers())
@@ -85,6 +99,7 @@ class TPModule(nn.Module):
         self.graph_module._buffers.update(self._buffers)
         for _, gm in self.signatures:
             bind_tensors(gm, self)
+        self.__dict__.pop("_generation", None)  # generate() re-binds its cached module
         return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -27,21 +27,28 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
                 + list(module.named_buffers(remove_duplicate=False)))
 
 
-def bind_tensors(gm: fx.GraphModule, owner: nn.Module) -> None:
+def bind_tensors(gm: fx.GraphModule, owner: nn.Module, prefix: str = "", rank: int = 0) -> None:
     """Make every parameter and buffer of ``gm`` the tensor of the same name in ``owner``.
 
-    ``gm`` was rewritten without materializing its weights (it holds the model's, or meta
-    tensors); the caller has checked that it was planned as ``owner``'s first graph.
+    ``gm`` was rewritten without materializing its weights (it holds meta tensors); the caller
+    has checked that it was planned as ``owner``'s first graph. ``prefix``: ``gm`` captured a
+    wrapper holding the model there; the wrapper's own buffers (its KV cache) are allocated
+    here as this rank's zero shards, from the plan in ``gm.meta["tpcompile_plan"]``.
     """
     mine = _tensors(owner)
-    for name in _tensors(gm):
-        if name not in mine:
+    device = next(iter(mine.values())).device if mine else torch.device("cpu")
+    plan = gm.meta.get("tpcompile_plan")
+    for name, t in _tensors(gm).items():
+        held = mine.get(name) if not name.startswith(prefix) else mine.get(name[len(prefix):], mine.get(name))
+        if held is None and plan is not None and name in plan.by_fqn and not isinstance(t, nn.Parameter):
+            held = torch.zeros(plan.by_fqn[name].local_shapes[rank], dtype=t.dtype, device=device)
+        if held is None:
             raise TPCompileError(
                 f"the capture of a new call signature reads {name}, which the module does not "
                 "hold\n  hint: this is a tpcompile bug; please report it")
         owner_mod, _, leaf = name.rpartition(".")
         sub = gm.get_submodule(owner_mod) if owner_mod else gm
-        (sub._parameters if leaf in sub._parameters else sub._buffers)[leaf] = mine[name]
+        (sub._parameters if leaf in sub._parameters else sub._buffers)[leaf] = held
 
 
 def written_buffers(gm: fx.GraphModule) -> list[str]:
