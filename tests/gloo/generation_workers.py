@@ -141,3 +141,18 @@ def train_then_generate(rank: int, world_size: int) -> dict:
     return {"before": before, "want": model.generate(ids, **args).tolist(),
             "tokens": tp.generate(ids, **args).tolist(),
             "loss_err": abs(losses[0] - losses[1]) / abs(losses[0])}
+
+
+def compiled_decode(rank: int, world_size: int) -> dict:
+    """Greedy tokens of the eager module, then of ``torch.compile`` of it (inductor)."""
+    import tpcompile as tc
+
+    torch.manual_seed(0)
+    model = CachedDecoder()
+    prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    tp = tc.parallelize(model, (prompt, torch.arange(PROMPT)))
+    eager = greedy(tp, prompt, NEW)  # captures the prefill and decode signatures
+    tp.reset_caches()
+    compiled = greedy(torch.compile(tp, options=tc.compile_options()), prompt, NEW)
+    return {"eager": eager.tolist(), "compiled": compiled.tolist(),
+            "want": greedy(model, prompt, NEW).tolist()}

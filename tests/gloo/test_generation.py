@@ -21,7 +21,8 @@ WORKERS = str(Path(__file__).parent / "generation_workers.py")
 LAYERS = 2
 # (kv heads, cache laid out (batch, seq, heads, dim) rather than (batch, heads, seq, dim));
 # 2 kv heads on 4 ranks: each rank stores the one kv head its query head reads
-CASES = {2: [(2, False)], 4: [(4, True), (2, False)]}
+CASES = {2: [(2, False), (2, True)], 4: [(2, False)]}
+SLOW_CASES = {4: [(4, True)]}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,8 @@ def results():
     return {ws: run_on_ranks(f"{WORKERS}:static_cache", ws, cases) for ws, cases in CASES.items()}
 
 
-def _every(results, ws):
-    for case in CASES[ws]:
+def _every(results, ws, cases=CASES):
+    for case in cases[ws]:
         for rank_result in results[ws]:
             yield case, rank_result[tuple(case)]
 
@@ -68,3 +69,19 @@ def test_reset_and_bad_calls(results, ws):
         assert c["beyond_cache"].startswith("InputError: input input_pos: cache position 40")
         assert c["batch_too_large"].startswith("InputError: input idx: dim 0 must be 2")
         assert c["after_errors"] == 256  # the ranks still run the next call together
+
+
+@pytest.mark.slow
+def test_four_kv_heads_on_four_ranks_seq_major():
+    results = {4: run_on_ranks(f"{WORKERS}:static_cache", 4, SLOW_CASES[4])}
+    for (kv_heads, _), c in _every(results, 4, SLOW_CASES):
+        assert c["tokens"] == c["want"] == c["again"]
+        assert all(shape[2] == kv_heads // 4 for shape in c["caches"].values())
+        assert c["collectives"] == [{"all_reduce": 2 * LAYERS}] * 2
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager():
+    """torch.compile (inductor) of the prefill and decode steps: the eager module's tokens."""
+    for c in run_on_ranks(f"{WORKERS}:compiled_decode", 2):
+        assert c["compiled"] == c["eager"] == c["want"]
