@@ -108,7 +108,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
         its outputs are replicated and equal ``model(*inputs)``; other batch sizes and sequence
-        lengths than ``example_inputs`` are accepted.
+        lengths than ``example_inputs`` are accepted. A model with a static KV cache (buffers
+        written in place) gets it sharded, and a one-token decode call its own capture; a
+        Hugging Face causal LM gets ``tp.generate`` (see docs/generation.md).
     """
     group, rank, world_size = resolve_group(mesh)
     check_mode(check_calls)  # before planning, which takes a while
@@ -124,7 +126,12 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     if written_buffers(gm) or callable(getattr(model, "generate", None)):
         # a static KV cache (prefill and decode calls are two captures), or a Hugging Face
         # model whose generate() captures a static-cache wrapper around it
-        tp.capture_signature = SignatureCapture(model, planned.plan, rank, group.group_name)
+        try:
+            tp.capture_signature = SignatureCapture(model, planned.plan, rank, group.group_name)
+        except Exception as e:  # noqa: BLE001 - training works without it; say what is lost
+            warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
+                          f"({type(e).__name__}: {e}); the module runs the captured call "
+                          "signature only (no decode captures, no generate)", stacklevel=2)
     return tp
 
 

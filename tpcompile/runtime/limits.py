@@ -14,6 +14,8 @@ Two kinds, both found once in the rewritten graph and checked before it runs:
   self`` (on GPUs a device-side assert that poisons the CUDA context); a vocabulary-parallel
   table would raise from inside the graph, after this rank's peers may already have entered a
   collective. Checking up front costs one ``aminmax`` and one host sync per indexing input.
+  Positions a static KV cache is written at (``cache[:, :, input_pos] = k``) are checked the
+  same way against the cache's length.
 """
 
 from __future__ import annotations
