@@ -127,11 +127,14 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         # a static KV cache (prefill and decode calls are two captures), or a Hugging Face
         # model whose generate() captures a static-cache wrapper around it
         try:
-            tp.capture_signature = SignatureCapture(model, planned.plan, rank, group.group_name)
+            tp.skeleton_capture = SignatureCapture(model, planned.plan, rank, group.group_name)
         except Exception as e:  # noqa: BLE001 - training works without it; say what is lost
             warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
                           f"({type(e).__name__}: {e}); the module runs the captured call "
                           "signature only (no decode captures, no generate)", stacklevel=2)
+        else:
+            if written_buffers(gm):  # other call signatures (decode steps) are captured anew
+                tp.capture_signature = tp.skeleton_capture
     return tp
 
 

@@ -107,6 +107,7 @@ def _hf_case(name: str) -> dict:
     out["collectives"] = [count_collectives(gm)["forward"] for gm in graphs]
     out["shared"] = all(p is tp.get_parameter(n.removeprefix("model."))
                         for n, p in inner.named_parameters())
+    out["beams"] = _error(lambda: tp.generate(ids, num_beams=2, max_new_tokens=2))
     return out
 
 

@@ -33,6 +33,7 @@ def _check(ws: int, per_rank: list, names: list) -> None:
             assert c["tokens"] == c["want"], name
             assert c["sampled"] == c["sample_want"], name
             assert c["shared"], name
+            assert c["beams"].startswith("InputError: tpcompile's generate() decodes greedily")
             heads = HEADS if name == "gpt2" else KV_HEADS
             # fewer kv heads than ranks: the planner keeps HF's k/v projections (repeat_kv)
             # whole, as tests/gloo/test_hf_models.py states, and the cache follows them

@@ -70,7 +70,7 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
     store = tp.__dict__.setdefault("_generation", {})
     key = (batch, max_len)
     if key not in store:
-        capture = tp.capture_signature
+        capture = tp.skeleton_capture
         wrapper = StaticCacheLM(capture.skeleton, batch, max_len)
         n = max(prompt_len, 2)
         meta = dict(device="meta", dtype=torch.long)
@@ -90,14 +90,20 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
 def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              generation_config=None, **kwargs) -> torch.Tensor:
     """See :meth:`tpcompile.TPModule.generate`."""
-    capture = getattr(tp, "capture_signature", None)
-    skeleton = getattr(capture, "skeleton", None)
+    skeleton = getattr(tp.skeleton_capture, "skeleton", None)
     if skeleton is None or not callable(getattr(skeleton, "_get_logits_processor", None)):
         raise TPCompileError("generate() needs a Hugging Face causal LM (a GenerationMixin) "
                              "parallelized with tpcompile.parallelize")
     from transformers.generation.logits_process import LogitsProcessorList
 
-    config, _ = skeleton._prepare_generation_config(generation_config, **kwargs)
+    config, unused = skeleton._prepare_generation_config(generation_config, **kwargs)
+    if unused:
+        raise InputError(f"generate() got arguments it does not use: {sorted(unused)}\n  hint: "
+                         "pass input_ids, attention_mask and generation-config fields")
+    if config.num_beams != 1 or config.num_return_sequences != 1:
+        raise InputError("tpcompile's generate() decodes greedily or by sampling, one sequence "
+                         f"per prompt; got num_beams={config.num_beams}, "
+                         f"num_return_sequences={config.num_return_sequences}")
     if input_ids.dim() != 2:
         raise InputError(f"input_ids must be (batch, length), got {list(input_ids.shape)}")
     batch, length = input_ids.shape

@@ -44,6 +44,8 @@ class TPModule(nn.Module):
         # capture_signature(args, kwargs) -> a rewritten graph, set by parallelize
         object.__setattr__(self, "signatures", [])
         object.__setattr__(self, "capture_signature", None)
+        # the same, on a meta copy of the model, for generate()'s static-cache wrapper
+        object.__setattr__(self, "skeleton_capture", None)
 
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():  # compiled: the graph's own guards only
