@@ -11,15 +11,22 @@ Example (under ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
+import copy
+import warnings
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions, ShardingPlan
-from tpcompile.errors import MeshError
+from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
+from tpcompile.passes.rewrite.device import retarget_device_pass
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
-from tpcompile.runtime.calls import check_mode
+from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
+from tpcompile.runtime.signatures import written_buffers
 from tpcompile.runtime.timeouts import warn_if_unbounded
 
 __all__ = ["parallelize", "plan_model", "rewrite", "resolve_group"]
@@ -107,7 +114,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
         its outputs are replicated and equal ``model(*inputs)``; other batch sizes and sequence
-        lengths than ``example_inputs`` are accepted.
+        lengths than ``example_inputs`` are accepted. A model with a static KV cache (buffers
+        written in place) gets it sharded, and a one-token decode call its own capture; a
+        Hugging Face causal LM gets ``tp.generate`` (see docs/generation.md).
     """
     group, rank, world_size = resolve_group(mesh)
     check_mode(check_calls)  # before planning, which takes a while
@@ -120,4 +129,64 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                                 reuse_blocks=reuse_blocks)
         gm, _ = pipeline.rewrite(planned, rank, group.group_name)
         entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
-    return TPModule(gm, planned.plan, rank, group, check_calls)
+    tp = TPModule(gm, planned.plan, rank, group, check_calls)
+    if written_buffers(gm) or callable(getattr(model, "generate", None)):
+        # a static KV cache (prefill and decode calls are two captures), or a Hugging Face
+        # model whose generate() captures a static-cache wrapper around it
+        try:
+            tp.skeleton_capture = SignatureCapture(model, planned.plan, rank, group.group_name)
+        except Exception as e:  # noqa: BLE001 - training works without it; say what is lost
+            warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
+                          f"({type(e).__name__}: {e}); the module runs the captured call "
+                          "signature only (no decode captures, no generate)", stacklevel=2)
+        else:
+            if written_buffers(gm):  # other call signatures (decode steps) are captured anew
+                tp.capture_signature = tp.skeleton_capture
+    return tp
+
+
+class SignatureCapture:
+    """``(args, kwargs) -> graph``: plan and rewrite the model for another call signature.
+
+    It keeps a copy of the model on the meta device (:attr:`skeleton`, no weights: the graph is
+    bound to the module's own tensors afterwards), so the caller may still free the model.
+    ``module`` (built around the skeleton, holding it as ``prefix``) is captured instead: a
+    wrapper that owns a static KV cache. Every tensor the first plan holds must be placed as
+    that plan places it (checked: the graphs share the tensors). The new graph's own plan is
+    ``gm.meta["tpcompile_plan"]`` (the wrapper's cache buffers are allocated from it).
+    """
+
+    def __init__(self, model: nn.Module, plan, rank: int, group_name: str):
+        memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+                for t in list(model.parameters()) + list(model.buffers())}
+        self.skeleton = copy.deepcopy(model, memo)
+        self.device = next(model.parameters(), torch.empty(0)).device
+        self.plan, self.rank, self.group_name = plan, rank, group_name
+
+    def __call__(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
+                 prefix: str = ""):
+        meta = tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a
+                     for a in args)
+        with warnings.catch_warnings():  # "accepts only 1 there": what this capture is for
+            warnings.simplefilter("ignore")
+            planned = pipeline.plan(self.skeleton if module is None else module, meta,
+                                    self.plan.world_size, kwargs or None, options=self.plan.options)
+        for name, entry in self.plan.params.items():
+            other = planned.plan.params.get(prefix + name)
+            if other is not None and _cut(planned.plan, other) != _cut(self.plan, entry):
+                raise PlanError(
+                    f"the call {describe(args, kwargs)} plans {name} as {other.placement}, the "
+                    f"module's first call as {entry.placement}: one module cannot serve both")
+        gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",))
+        retarget_device_pass(gm, torch.device("meta"), self.device)  # captured on the skeleton
+        gm.recompile()
+        gm.meta["tpcompile_plan"] = planned.plan
+        return gm
+
+
+def _cut(plan, entry):
+    """Which slice of a tensor each rank holds (root names differ between captures)."""
+    p = entry.placement
+    ranges = plan.specs.ranges(p.layout) if isinstance(p, Shard) else None
+    return type(p).__name__, getattr(p, "dim", None), entry.local_shapes, ranges

@@ -37,8 +37,10 @@ from tpcompile.errors import TPCompileError
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.rules import LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, rule_for
-from tpcompile.passes.planner.mutations import check_mutations, write_conflicts
+from tpcompile.passes.planner.rules import (
+    LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, rule_for,
+)
+from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
     Constraints, Propagation, _same, local_slice, propagate, view_chain,
 )
@@ -64,12 +66,15 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
             continue
         tied = _tables_to_follow(gm, state) - constraints.tied
         early = _mixed_partials(state) - constraints.reduce_early
-        if tied or early:
+        cuts = {k: v for k, v in _cache_cuts(state, cap.params).items()
+                if k not in constraints.cache_cuts}
+        if tied or early or cuts:
             constraints.tied |= tied
             constraints.reduce_early |= early
+            constraints.cache_cuts.update(cuts)
             continue
         dead = _dead_regions(state, options)
-        dead.update((r, why) for r, why in _written_copies(gm, state).items() if r not in dead)
+        dead.update((r, why) for r, why in _written_copies(gm, state, cap.params).items() if r not in dead)
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
         if not dead:
             break
@@ -147,17 +152,45 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
     return dead
 
 
-def _written_copies(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+def _written_copies(gm: fx.GraphModule, state: Propagation, params) -> dict[str, str]:
     """Roots whose sharded data an in-place op would write on a copy of: root -> why.
 
     Keeping them replicated makes the write land where the unsharded model's does.
     """
     out = {}
-    for c in write_conflicts(gm, lambda value, user: (value, user) in state.conversions):
+    for c in write_conflicts(gm, lambda value, user: (value, user) in state.conversions
+                             and not _cache_slice(value, user, state, params)):
         for node in [c.edge[0]] + c.chain:
             for root in _roots_behind(state, node, set()):
                 out.setdefault(root, f"{c.op.name} ({c.op.target}) writes into its sharded data "
                                      "in place; sharded, the write would land on a copy")
+    return out
+
+
+def _cache_slice(value: fx.Node, user: fx.Node, state: Propagation, params) -> bool:
+    """A write into a KV-cache buffer that asks for its shard: ``_absorb_params`` stores the
+    buffer sharded, so the write lands in each rank's own shard, not on a copy."""
+    return (value in written_args(user) and isinstance(state.placements.get(value), Replicate)
+            and isinstance(state.conversions[(value, user)], Shard)
+            and cache_behind(value, params) is not None)
+
+
+def _cache_cuts(state: Propagation, params) -> dict[str, Shard]:
+    """Replicated cache writes whose readers all slice the same shard of the cache (fewer kv
+    heads than ranks: each rank reads its query heads' kv heads): write node -> that shard,
+    so the rule stores only it (``_cut_cache`` in the rule table)."""
+    out = {}
+    for node, p in state.placements.items():
+        written = written_args(node)
+        if (not isinstance(p, Replicate) or not written
+                or cache_behind(written[0], params) is None):
+            continue
+        chain = view_chain(node)
+        wanted = [state.conversions.get((chain[-1], u)) for u in chain[-1].users]
+        if wanted and all(isinstance(w, Shard) and _same(state.specs, wanted[0], w) for w in wanted):
+            placements = _pulled_back(chain, wanted[0], state.specs)
+            if placements is not None:
+                out[node.name] = placements[0]
     return out
 
 

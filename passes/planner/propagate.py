@@ -49,6 +49,9 @@ class Constraints:
     tied: set[str] = field(default_factory=set)             # roots embeddings must follow
     reduce_early: set[str] = field(default_factory=set)     # partial sums every consumer reads reduced
     seq_len: int | None = None                              # sequence parallelism: static length
+    # in-place cache write -> the shard its readers slice (fewer kv heads than ranks: each
+    # rank stores the heads its query heads read)
+    cache_cuts: dict[str, object] = field(default_factory=dict)
     # placeholder name -> its placement (default Replicate). It exists for rule tests
     # (tests/unit/test_rule_soundness.py); a Shard's root is cut as RootSpec.build would.
     inputs: dict[str, object] = field(default_factory=dict)

@@ -36,8 +36,7 @@ from tpcompile.passes.planner.dims import (
 aten = torch.ops.aten
 
 __all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "rule_for",
-           "rule_for_target",
-           "einsum_rule"]
+           "rule_for_target", "einsum_rule", "cache_behind"]
 
 
 @dataclass(frozen=True)
@@ -256,14 +255,21 @@ def _divide(op):
     return _pointwise(None if partial else "mul")(op)
 
 
-def _in_place(propagate):
+def _in_place(propagate, into_cache=False):
     """``relu_``, ``add_``...: the out-of-place rule, as long as the written tensor keeps its
     placement. Converting a replicated one would hand the write a copy, so the other operands
     are gathered instead; a sharded or partial one converted anyway is judged by
-    :func:`tpcompile.passes.planner.mutations.check_mutations`."""
+    :func:`tpcompile.passes.planner.mutations.check_mutations`.
+
+    ``into_cache``: a write into a buffer (a KV cache) may ask for the buffer sharded: the
+    planner then stores the buffer itself sharded (``_absorb_params``), so the write lands in
+    each rank's own shard and no copy is made."""
     def rule(op):
-        out = propagate(op)
         written = op.node.args[0]
+        if into_cache and cache_behind(written, op.constraints.params) is not None:
+            cut = op.constraints.cache_cuts.get(op.node.name)
+            return _cut_cache(op, propagate(op), cut) if cut is not None else propagate(op)
+        out = propagate(op)
         if written in op.required and isinstance(op.placement(written), Replicate):
             op.required.clear()
             for a in _tensor_args(op.node):
@@ -287,6 +293,99 @@ IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it fol
 }
 for _op, _like in IN_PLACE.items():
     RULES[_op] = Rule(_in_place(RULES[_like].propagate))
+
+
+# --------------------------------------------------------------------------- cache writes
+
+def cache_behind(arg, params) -> fx.Node | None:
+    """The buffer (not a parameter) ``arg`` is, or is a view of through single-use views: a
+    static KV cache written in place, which may be stored sharded like an activation."""
+    node = arg
+    while isinstance(node, fx.Node) and node.op == "call_function" and is_view(node):
+        if len(node.users) != 1:
+            return None
+        node = node.args[0]
+    if (isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1
+            and node.target not in params):
+        return node
+    return None
+
+
+def _cut_cache(op, out, cut: Shard):
+    """A replicated write into a cache its readers only slice: store the slice (the kv heads
+    this rank's query heads read), writing this rank's slice of the values into it."""
+    if not isinstance(out, Replicate):
+        return out
+    op.required.clear()
+    labels = _cache_labels(op)
+    label = labels[0][1][cut.dim]
+    for arg, arg_labels in labels:
+        if label in arg_labels:
+            op.require(arg, Shard(arg_labels.index(label), cut.layout))
+    return cut
+
+
+def _cache_labels(op):
+    """[(cache, labels), (values, labels)] of an index_put_ / index_copy_ (see below)."""
+    return (_index_put_labels if op.node.target in (aten.index_put_.default, aten.index_put.default)
+            else _index_copy_labels)(op)
+
+
+def _index_put(op):
+    """``cache[:, :, pos] = v``: ``v`` is laid out as the cache with the indexed dims replaced
+    by the positions' shape; a dim the write keeps (heads) carries its shard into the cache."""
+    labels = _index_put_labels(op)
+    if labels is None or _cut_at_positions(op, labels[0]):
+        return _replicate_all(op)  # masks, scattered index tensors, positions cut over ranks
+    for i in op.node.args[1]:
+        if isinstance(i, fx.Node):
+            op.require(i, Replicate())
+    return einsum_rule(op, labels, labels[0][1])
+
+
+def _index_put_labels(op):
+    x, indices, values = op.node.args[:3]
+    n = len(shape(x))
+    at = [d for d, i in enumerate(indices) if i is not None]
+    if (not at or at != list(range(at[0], at[-1] + 1))
+            or any(val(indices[d]).dtype == torch.bool for d in at)):
+        return None  # index tensors apart move their dims first; a mask indexes several dims
+    width = max(len(shape(i)) for i in indices if i is not None)
+    kept = [d for d in range(n) if d not in at]
+    target = list(range(at[0])) + [None] * width + kept[at[0]:]
+    return [(x, [d if d not in at else f"pos{d}" for d in range(n)]),
+            (values, target[len(target) - len(shape(values)):])]
+
+
+def _index_copy(op):
+    """``cache.index_copy_(dim, pos, v)``: ``v`` has the cache's dims, ``dim`` cut to the positions."""
+    labels = _index_copy_labels(op)
+    if _cut_at_positions(op, labels[0]):
+        return _replicate_all(op)
+    op.require(op.node.args[2], Replicate())
+    return einsum_rule(op, labels, labels[0][1])
+
+
+def _cut_at_positions(op, written) -> bool:
+    """The written tensor is sharded on a dim the positions index: global positions would
+    miss each rank's rows."""
+    x, labels = written
+    p = op.placement(x)
+    return isinstance(p, Shard) and isinstance(labels[p.dim], str)
+
+
+def _index_copy_labels(op):
+    x, dim, _, source = op.node.args[:4]
+    n = len(shape(x))
+    dim = norm_dim(dim, n)
+    return [(x, [d if d != dim else "pos" for d in range(n)]),
+            (source, [d if d != dim else None for d in range(n)])]
+
+
+register(aten.index_put.default)(_index_put)
+register(aten.index_copy.default)(_index_copy)
+RULES[aten.index_put_.default] = Rule(_in_place(_index_put, into_cache=True))
+RULES[aten.index_copy_.default] = Rule(_in_place(_index_copy, into_cache=True))
 
 
 @register(aten.view_as_complex.default, aten.view_as_real.default)
@@ -476,12 +575,12 @@ def _sdpa(op):
         if all(op.specs.same(target, r) for r in repeated):
             _require_sdpa_heads(op, q, mask, hq, target)
             return Shard(pq.dim, target)
-    for p in kv:  # kv heads that cannot follow the query heads' cut are computed whole
-        if isinstance(p, Shard):
-            op.reject(p.layout.root, f"{hk} kv heads cannot be cut like {hq} query heads over "
-                                     f"{op.specs.world_size} ranks: each rank reads whole kv heads")
     # each rank slices the kv heads its query heads read (several ranks may read the same)
     group = Layout(target.root, hk, target.offset, target.scale * (hq // hk), 1, cover=True)
+    for p in kv:  # kv heads that cannot follow the query heads' cut are computed whole
+        if isinstance(p, Shard) and not (p.dim == hd and op.specs.same(p.layout, group)):
+            op.reject(p.layout.root, f"{hk} kv heads cannot be cut like {hq} query heads over "
+                                     f"{op.specs.world_size} ranks: each rank reads whole kv heads")
     op.require(k, Shard(hd, group))
     op.require(v, Shard(hd, group))
     _require_sdpa_heads(op, q, mask, hq, target)

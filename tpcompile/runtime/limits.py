@@ -14,6 +14,8 @@ Two kinds, both found once in the rewritten graph and checked before it runs:
   self`` (on GPUs a device-side assert that poisons the CUDA context); a vocabulary-parallel
   table would raise from inside the graph, after this rank's peers may already have entered a
   collective. Checking up front costs one ``aminmax`` and one host sync per indexing input.
+  Positions a static KV cache is written at (``cache[:, :, input_pos] = k``) are checked the
+  same way against the cache's length.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class TokenTable:
     input_name: str
     table: str
     rows: int
+    cache: bool = False  # positions a static KV cache is written at (rows: its length)
 
 
 def token_tables(gm: fx.GraphModule) -> tuple[TokenTable, ...]:
@@ -139,11 +142,38 @@ def token_tables(gm: fx.GraphModule) -> tuple[TokenTable, ...]:
             continue
         if rows is None:
             continue
-        ids = node.args[1]
-        while ids.op == "call_function" and ids.target in _SAME_VALUES:
-            ids = ids.args[0]
+        ids = _input_behind(node.args[1])
         if ids in placeholders:
             out.append(TokenTable(placeholders[ids], ids.name, _name(node.args[0]), rows))
+    return tuple(out) + _cache_positions(gm, placeholders)
+
+
+def _input_behind(ids: fx.Node) -> fx.Node:
+    while ids.op == "call_function" and ids.target in _SAME_VALUES:
+        ids = ids.args[0]
+    return ids
+
+
+def _cache_positions(gm: fx.GraphModule, placeholders: dict) -> tuple[TokenTable, ...]:
+    """Inputs whose values are the positions a buffer is written at in place
+    (``cache[:, :, pos] = k``, ``cache.index_copy_(2, pos, k)``): a static KV cache's length
+    bounds them. A position past it would raise inside the graph, after collectives began."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.target is _aten.index_put_.default:
+            at = [(d, i) for d, i in enumerate(node.args[1]) if isinstance(i, fx.Node)]
+        elif node.target is _aten.index_copy_.default:
+            at = [(node.args[1], node.args[2])]
+        else:
+            continue
+        cache = node.args[0]
+        while cache.op == "call_function":  # through the views of the buffer written into
+            cache = cache.args[0]
+        for dim, index in at:
+            ids = _input_behind(index)
+            if ids in placeholders:
+                rows = int(_val(node.args[0]).shape[dim])
+                out.append(TokenTable(placeholders[ids], ids.name, _name(cache), rows, cache=True))
     return tuple(out)
 
 
@@ -158,6 +188,12 @@ def check_tokens(tables: tuple[TokenTable, ...], flat: list) -> None:
         if t.index not in seen:
             seen[t.index] = tuple(torch.stack(torch.aminmax(ids)).tolist())  # one host sync
         lo, hi = seen[t.index]
+        if t.cache and (lo < 0 or hi >= t.rows):
+            raise InputError(
+                f"input {t.input_name}: cache position {hi if hi >= t.rows else lo} is outside "
+                f"the KV cache {t.table} ({t.rows} positions): positions must be in "
+                f"[0, {t.rows}), got values from {lo} to {hi}\n  hint: build the model with a "
+                "longer cache (max_seq_length) or generate fewer tokens")
         if lo < 0 or hi >= t.rows:
             raise InputError(
                 f"input {t.input_name}: token id {hi if hi >= t.rows else lo} is out of range for "

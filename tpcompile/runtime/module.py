@@ -15,6 +15,7 @@ from torch import fx, nn
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime.calls import CallCheck
 from tpcompile.runtime.inputs import InputSpec
+from tpcompile.runtime.signatures import MAX_SIGNATURES, bind_tensors, exact_fit, written_buffers
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
 
@@ -42,16 +43,68 @@ class TPModule(nn.Module):
         # ranks agree on each new call before the graph's collectives (a collective itself:
         # every rank of the group constructs its TPModule at the same point, in parallelize)
         object.__setattr__(self, "call_check", CallCheck(group, check_calls))
+        # further (input spec, graph) pairs, one per call signature (see runtime.signatures);
+        # capture_signature(args, kwargs) -> a rewritten graph, set by parallelize
+        object.__setattr__(self, "signatures", [])
+        object.__setattr__(self, "capture_signature", None)
+        # the same, on a meta copy of the model, for generate()'s static-cache wrapper
+        object.__setattr__(self, "skeleton_capture", None)
 
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():  # compiled: the graph's own guards only
             # an InputError (or, ranks disagreeing, an InputMismatchError on every rank), not
             # a failure deep inside the graph or a collective pairing mismatched buffers
-            self.call_check(self.input_spec, args, kwargs)
-            outputs = self.graph_module(*args, **kwargs)
+            spec, gm = self._graph_for(args, kwargs)
+            self.call_check(spec, args, kwargs)
+            outputs = gm(*args, **kwargs)
             self.call_check.track_backward(outputs)
             return outputs
-        return self.graph_module(*args, **kwargs)
+        return self._graph_for(args, kwargs)[1](*args, **kwargs)
+
+    def _graph_for(self, args: tuple, kwargs: dict):
+        """The graph captured for this call's signature; a new capture for a new signature
+        of the same call (a one-token decode step after a prefill), sharing every tensor."""
+        pairs = [(self.input_spec, self.graph_module)] + self.signatures
+        if self.capture_signature is None:
+            return pairs[0]
+        fits = [exact_fit(spec, args, kwargs) for spec, _ in pairs]
+        if True in fits:
+            return pairs[fits.index(True)]
+        if fits[0] is None or len(self.signatures) >= MAX_SIGNATURES:
+            return pairs[0]  # the call check names what is wrong with the call
+        gm = self.capture_signature(args, kwargs)  # local: no collective before the call check
+        bind_tensors(gm, self)
+        self.signatures.append((InputSpec.of(gm), gm))
+        return self.signatures[-1]
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, **kwargs) -> torch.Tensor:
+        """``model.generate`` of a Hugging Face causal LM, on this rank's shards (call on all).
+
+        ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``eos_token_id``, ``pad_token_id`` or a ``generation_config``, as for ``generate``;
+        left-padded batches with their ``attention_mask``. A static KV cache sharded on kv
+        heads is captured once per batch size and length (see tpcompile.runtime.generation);
+        its graphs read this module's parameters, so a training step's updates are used.
+        Returns the prompts followed by the new tokens, the same on every rank.
+        """
+        from tpcompile.runtime.generation import generate
+        return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+
+    def reset_caches(self) -> None:
+        """Zero every buffer the graphs write in place (a static KV cache), on this rank."""
+        held = dict(self.named_buffers())
+        for name in written_buffers(self.graph_module):
+            held[name].zero_()
+
+    def _apply(self, fn, recurse=True):
+        """``to`` / ``to_empty`` / ``float`` may replace tensors: the first graph shares this
+        module's dicts, the graphs of further call signatures are bound again."""
+        super()._apply(fn, recurse)
+        for _, gm in self.signatures:
+            bind_tensors(gm, self)
+        self.__dict__.pop("_generation", None)  # generate() re-binds its cached module
+        return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, for this rank's shards (a round trip of ``state_dict()`` at this world size).

@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--batch", type=int, default=2)
     demo.add_argument("--seq", type=int, default=16)
+    demo.add_argument("--generate", action="store_true",
+                      help="greedy generation of a tiny Hugging Face Llama (needs transformers)")
     _add_options(demo, ["vocab-parallel", "sequence-parallel"])
     explain = sub.add_parser("explain", help="show the plan: styles, collectives, bytes, fallbacks",
                              description="Plan TARGET for --world-size ranks without any process "
@@ -242,6 +244,9 @@ def _demo(args) -> int:
 
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {args.world_size}", "e.g. --world-size 2")
+    if args.generate:
+        from tpcompile.tools.demo_generate import run_generate_demo
+        return run_generate_demo(args.world_size)
     return run_demo(args.model, args.world_size, args.batch, args.seq, **_options(args))
 
 

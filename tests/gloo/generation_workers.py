@@ -1,0 +1,159 @@
+"""Rank-side bodies of tests/gloo/test_generation.py: decoders that own a static KV cache.
+
+Each case parallelizes :class:`cache_models.CachedDecoder`, runs a prefill and greedy decode
+steps on the ranks and on the unsharded model, and reports the tokens, the cache each rank
+holds, the collectives each call signature's graph issues, and how bad calls are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tpcompile  # noqa: E402
+from cache_models import CachedDecoder, greedy  # noqa: E402
+from tpcompile.runtime.collectives import count_collectives  # noqa: E402
+
+PROMPT, NEW = 5, 6
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool) -> dict:
+    torch.manual_seed(0)
+    model = CachedDecoder(kv_heads=kv_heads, seq_major=seq_major)
+    prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    tp = tpcompile.parallelize(model, (prompt, torch.arange(PROMPT)))
+    want = greedy(model, prompt, NEW)
+    got = greedy(tp, prompt, NEW)
+    caches = {n: tuple(b.shape) for n, b in tp.named_buffers() if "cache" in n}
+    written = sum(float(b.abs().sum()) for n, b in tp.named_buffers() if "cache" in n)
+    tp.reset_caches()
+    after_reset = sum(float(b.abs().sum()) for n, b in tp.named_buffers() if "cache" in n)
+    again = greedy(tp, prompt, NEW)  # after a reset: the same tokens again
+    graphs = [tp.graph_module] + [gm for _, gm in tp.signatures]
+    return {
+        "tokens": got.tolist(), "want": want.tolist(), "again": again.tolist(),
+        "caches": caches, "full_cache": tuple(model.blocks[0].attn.kv_cache.k_cache.shape),
+        "written": written, "after_reset": after_reset,
+        "collectives": [count_collectives(gm)["forward"] for gm in graphs],
+        "shared": all(gm.get_parameter("blocks.0.w1.weight") is tp.get_parameter("blocks.0.w1.weight")
+                      and gm.get_buffer("blocks.0.attn.kv_cache.k_cache")
+                      is tp.get_buffer("blocks.0.attn.kv_cache.k_cache") for gm in graphs),
+        "beyond_cache": _error(lambda: tp(prompt[:, :1], torch.tensor([40]))),
+        "batch_too_large": _error(lambda: tp(torch.zeros(3, 1, dtype=torch.long),
+                                             torch.tensor([7]))),
+        "after_errors": tp(prompt[:, :1], torch.tensor([PROMPT])).shape[-1],  # no hang, no desync
+    }
+
+
+def static_cache(rank: int, world_size: int, cases: list) -> dict:
+    return {tuple(c): _case(rank, world_size, *c) for c in cases}
+
+
+# ----------------------------------------------------------------- Hugging Face generate
+
+def hf_causal_lm(name: str):
+    """Tiny random-init causal LMs (hidden 64, 2 layers, vocab 256), never downloaded."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    llama_like = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                n_positions=64, resid_pdrop=0, embd_pdrop=0,
+                                                attn_pdrop=0))
+    config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
+              "qwen3": tf.Qwen3Config}[name](**llama_like)
+    return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+            "mistral": tf.MistralForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[name](config)
+
+
+def _prompt():
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    return ids, mask
+
+
+def _hf_case(name: str) -> dict:
+    model = hf_causal_lm(name).eval()
+    ids, mask = _prompt()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+    greedy_args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    sample_args = dict(attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=20,
+                       top_p=0.9, temperature=0.8, pad_token_id=0)
+    out = {"want": model.generate(ids, **greedy_args).tolist(),
+           "tokens": tp.generate(ids, **greedy_args).tolist()}
+    torch.manual_seed(7)
+    out["sample_want"] = model.generate(ids, **sample_args).tolist()
+    torch.manual_seed(7 + dist.get_rank())  # ranks seeded apart: still the same tokens
+    out["sampled"] = tp.generate(ids, **sample_args).tolist()
+    inner = next(iter(tp._generation.values()))
+    out["caches"] = {n: tuple(b.shape) for n, b in inner.named_buffers() if n.startswith("key_cache")}
+    graphs = [inner.graph_module] + [gm for _, gm in inner.signatures]
+    out["collectives"] = [count_collectives(gm)["forward"] for gm in graphs]
+    out["shared"] = all(p is tp.get_parameter(n.removeprefix("model."))
+                        for n, p in inner.named_parameters())
+    out["beams"] = _error(lambda: tp.generate(ids, num_beams=2, max_new_tokens=2))
+    return out
+
+
+def hf_generate(rank: int, world_size: int, names: list, train: bool = False) -> dict:
+    out = {name: _hf_case(name) for name in names}
+    if train:
+        out["train"] = train_then_generate(rank, world_size)
+    return out
+
+
+def train_then_generate(rank: int, world_size: int) -> dict:
+    """Train the module and the unsharded model alike for 3 steps, then generate greedily."""
+    model = hf_causal_lm("llama")
+    ids, mask = _prompt()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    before = tp.generate(ids, **args).tolist()
+    batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for module in (model, tp):
+        module.train()
+        opt = torch.optim.SGD(module.parameters(), lr=2.0)
+        for _ in range(3):
+            logits = module(batch, attention_mask=torch.ones_like(batch)).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256),
+                                                     batch[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(float(loss))
+        module.eval()
+    return {"before": before, "want": model.generate(ids, **args).tolist(),
+            "tokens": tp.generate(ids, **args).tolist(),
+            "loss_err": abs(losses[0] - losses[1]) / abs(losses[0])}
+
+
+def compiled_decode(rank: int, world_size: int) -> dict:
+    """Greedy tokens of the eager module, then of ``torch.compile`` of it (inductor)."""
+    import tpcompile as tc
+
+    torch.manual_seed(0)
+    model = CachedDecoder()
+    prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    tp = tc.parallelize(model, (prompt, torch.arange(PROMPT)))
+    eager = greedy(tp, prompt, NEW)  # captures the prefill and decode signatures
+    tp.reset_caches()
+    compiled = greedy(torch.compile(tp, options=tc.compile_options()), prompt, NEW)
+    return {"eager": eager.tolist(), "compiled": compiled.tolist(),
+            "want": greedy(model, prompt, NEW).tolist()}
