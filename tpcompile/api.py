@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpcompile.core.placement import Shard
-from tpcompile.core.plan import PlanOptions, ShardingPlan
+from tpcompile.core.plan import PlanOptions
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
 from tpcompile.passes.rewrite.device import retarget_device_pass

@@ -295,7 +295,6 @@ def _close(actual, expected, partial: bool, what: str):
 
 def _check(case: Case, ws: int, inputs: dict, state) -> None:
     specs = state.specs
-    names = [n.name for n in case.gm.graph.nodes if n.op == "placeholder"]
     plan = ShardingPlan(world_size=ws, params={}, conversions=(), grad_syncs=(),
                         placements={n.name: p for n, p in state.placements.items() if p is not None},
                         roots=dict(specs.roots))

@@ -26,7 +26,7 @@ from torch import fx
 from torch.fx import _pytree as fx_pytree
 
 from tpcompile.errors import InputError
-from tpcompile.runtime.limits import Limit, TokenTable, check_tokens, dim_limits, token_tables
+from tpcompile.runtime.limits import TokenTable, check_tokens, dim_limits, token_tables
 
 __all__ = ["InputSpec"]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from tpcompile.tools import models
 from tpcompile.tools.launch import run_on_ranks
