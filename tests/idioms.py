@@ -351,8 +351,8 @@ class EinsumAttention(Attention):
 
 class WholeQKNorm(Attention):
     """OLMo 2 / OLMoE: RMSNorm over the whole q and k projections (every head at once), before
-    the head split. Its mean of squares spans the heads the ranks split: a sum of per-rank
-    terms, all-reduced (one number per token) instead of gathering the projection."""
+    the head split. Its mean of squares spans the heads the ranks split: Megatron would
+    all-reduce per-rank sums (one number per token); the planner does not yet (see rules.py)."""
 
     def init_projections(self, linear):
         super().init_projections(linear)

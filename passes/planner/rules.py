@@ -26,7 +26,6 @@ import torch
 from torch import fx
 
 from tpcompile.core.placement import Layout, Partial, Replicate, Shard
-from tpcompile.runtime.partial import mean_term
 from tpcompile.runtime.rng import per_rank_sdpa, sharded_dropout
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import (
@@ -611,24 +610,12 @@ def _reduce(linear):
     return propagate
 
 
-def _localize_mean(node, local):
-    """A mean over a sharded dim: this rank's sum over the whole dim's size (its Partial term)."""
-    x = node.args[0]
-    n = len(shape(x))
-    dims = node.args[1] if len(node.args) > 1 and node.args[1] not in (None, []) else list(range(n))
-    dims = [norm_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    if not any(local.input_sharded_on(node, d) for d in dims):
-        return
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    whole = math.prod(int(shape(x)[d]) for d in dims)
-    local.replace_target(node, mean_term, (x, dims, keepdim, whole, node.kwargs.get("dtype")))
-    node.kwargs = {}
-
-
 register(aten.sum.dim_IntList, aten.sum.default)(_reduce("mul"))
-register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul"))
-register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
-         aten.argmax.default)(_reduce(None))
+# a mean over a sharded dim is linear too, but taking it as a partial sum lets regions run
+# through norms over the residual stream (a column wo at 64 ranks sharded every later layer,
+# with an all-reduce per norm): it is gathered until the planner weighs collectives
+register(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
+         aten.var.correction, aten.std.correction, aten.argmax.default)(_reduce(None))
 
 
 def _last_dims_free(count_fn):
