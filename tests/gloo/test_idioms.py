@@ -34,8 +34,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "torchtitan_llama3": (2, 4),
     "mqa": (2, 4),                     # 1 kv head, repeat_kv by expand + reshape
     "mqa_sdpa_broadcast": (2, 4),      # 1 kv head broadcast inside SDPA
-    "qk_norm_whole": (2, 4),
-    "mlp_relu_squared": (2, 4),        # torch.square: no rule, planned through its decomposition           # OLMo 2's norm over all heads: its statistic all-reduced
+    "mlp_relu_squared": (2, 4),        # torch.square: ruled by torch's pointwise tag
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
