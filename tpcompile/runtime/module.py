@@ -15,6 +15,7 @@ from torch import fx, nn
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime.calls import CallCheck
 from tpcompile.runtime.inputs import InputSpec
+from tpcompile.runtime.regions import regional_graph
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
 
@@ -39,6 +40,14 @@ class TPModule(nn.Module):
         # ranks agree on each new call before the graph's collectives (a collective itself:
         # every rank of the group constructs its TPModule at the same point, in parallelize)
         object.__setattr__(self, "call_check", CallCheck(group, check_calls))
+        # what a compiled call runs: identical blocks outlined into one nested compile region,
+        # so Dynamo/AOT/inductor compile one block body, not one per layer (runtime/regions.py)
+        regional, calls = regional_graph(gm)
+        object.__setattr__(self, "regional_graph_module", regional)
+        self.region_calls = calls
+        # opt-in: torch.compile(tp, options=tpcompile.compile_options(regions=True)) must go
+        # with it (inductor's buffer reuse is wrong there in torch 2.13; the backend does both)
+        self.compile_regions = False
 
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():  # compiled: the graph's own guards only
@@ -48,6 +57,8 @@ class TPModule(nn.Module):
             outputs = self.graph_module(*args, **kwargs)
             self.call_check.track_backward(outputs)
             return outputs
+        if self.compile_regions:
+            return self.regional_graph_module(*args, **kwargs)
         return self.graph_module(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
