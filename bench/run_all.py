@@ -1,12 +1,15 @@
 """Every benchmark, one command: bench/results/*.json and one markdown summary.
 
-    python bench/run_all.py             # about 15 minutes on 2 shared cores
+    python bench/run_all.py             # about 45 minutes on 2 shared cores
     python bench/run_all.py --quick     # eager step times only, 5 steps, short planning sweep
 
 Sections, each its own script (run alone for details and options):
 
 1. step time (``step_time.py``): tpcompile vs ``parallelize_module`` with the torchtitan-style
-   plan, Llama and GPT-2, 2 and 4 gloo ranks, eager and compiled, and the ideal;
+   plan, Llama and GPT-2, 2 and 4 gloo ranks, eager and compiled, and the ideal, with each
+   variant's time to first step (parallelize + compile + first step);
+   time to the first compiled step vs depth (``compile_time.py``, full run only): tpcompile
+   and DTensor at 2 and 16 layers, and where the compile time goes;
 2. communication (``communication.py``): collectives and bytes per step vs Megatron's bound;
 3. planning scale (``planning.py``): capture + plan + rewrite of 7B / 70B Llama shapes on meta;
 4. memory (``memory.py --vs-ideal``): parameter bytes per rank vs sharded / N + replicated.
@@ -39,6 +42,9 @@ def sections(quick: bool) -> list[tuple[str, list[str]]]:
             ["step_time.py", "--model", model, "--world-size", str(ws), "--steps", steps,
              "--only", variants])
            for model in ("llama", "gpt2") for ws in (2, 4)]
+    if not quick:
+        out.append(("time to first compiled step vs depth: llama, 2 ranks",
+                    ["compile_time.py", "--model", "llama", "--layers", "2,16", "--repeats", "2"]))
     out += [("communication vs Megatron's bound", ["communication.py"]),
             ("planning scale", ["planning.py"] + (["--quick", "--out", "planning-quick"]
                                                   if quick else [])),

@@ -10,6 +10,7 @@ steps 1e-4.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -21,23 +22,37 @@ pytestmark = [pytest.mark.dist, pytest.mark.compile]
 WORLD_SIZES = (2, 4)
 MODELS = ("mlp", "gpt2", "llama")
 DYNAMIC = "llama"  # compiled a second time at world size 2 with marked dims and overlap on
+BLOCKS = "llama"  # with two blocks, at world size 2 only: one compiled body for both
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@contextlib.contextmanager
+def _inductor_env(tmp_path_factory):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor")),
            "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool per rank on 2 cores
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return {ws: launch("compiled", ws, list(MODELS), DYNAMIC if ws == 2 else None)
-                for ws in WORLD_SIZES}
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    with _inductor_env(tmp_path_factory):
+        return {ws: launch("compiled", ws, list(MODELS), DYNAMIC if ws == 2 else None)
+                for ws in WORLD_SIZES}
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory):
+    """A launch of its own (its own timeout): two compiles of a two-block model."""
+    with _inductor_env(tmp_path_factory):
+        return {2: launch("compiled_blocks", 2, BLOCKS)}
 
 
 def _case(results, ws, key):
@@ -71,6 +86,7 @@ def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name
     """One forward and one backward module; each plan collective is one _c10d_functional call."""
     for c in _case(results, ws, f"{path}_{name}"):
         assert c["n_codes"] == 2
+        assert c["region_bodies"] == [{}, {}]  # one block: nothing to share, the graph is flat
         assert c["forward"] == c["planned"]["forward"]
         assert c["backward"] == c["planned"]["backward"]
         assert c["forward"]  # the plan does communicate
@@ -111,6 +127,24 @@ def test_backend_first_call_is_exact_and_leaves_only_shards(results, ws, name):
         assert c["graphs"] == 2  # the first graph, then the tensor-parallel forward
         assert any("tensor-parallel" in r for r in c["report"]), c["report"]
         assert "build the optimizer after that call" in c["stale_optimizer"]
+
+
+@pytest.mark.parametrize("path", ["tp", "backend"])
+def test_repeated_blocks_run_one_compiled_body_with_the_planned_collectives(blocks, path):
+    """Two identical blocks: the forward and the backward module each define one region body
+    and call it twice; its collectives, counted per call, are the plan's; numerics as flat."""
+    for c in _case(blocks, 2, path):
+        _assert_matches_unsharded(c)
+        assert c["n_codes"] == 2
+        assert [list(bodies.values()) for bodies in c["region_bodies"]] == [[2], [2]]
+        assert c["forward"] == c["planned"]["forward"]
+        assert c["backward"] == c["planned"]["backward"]
+        if path == "tp":
+            assert c["region_calls"] == 2
+            err, graphs = c["calls"][(2, 8)]
+            assert graphs == 0 and err <= 1e-5
+        else:
+            assert c["graphs"] == 2
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

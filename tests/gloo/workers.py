@@ -429,8 +429,8 @@ def dtensor_equivalence(rank: int, world_size: int, names: list[str]) -> dict:
 # One spawn per world size runs every compile check (test_compile.py): compiling costs seconds
 # per graph on 2 cores, so the models are tiny and each graph is compiled once.
 
-def tiny(name: str) -> nn.Module:
-    return models.build(name, n_layers=1, dim=32, hidden=64, n_heads=4, n_kv_heads=2)
+def tiny(name: str, layers: int = 1) -> nn.Module:
+    return models.build(name, n_layers=layers, dim=32, hidden=64, n_heads=4, n_kv_heads=2)
 
 
 class Branchy(nn.Module):
@@ -462,13 +462,14 @@ class BackendView:
 
 
 def _phases(codes: list[str]) -> dict:
-    from tpcompile.compile.inductor import collectives_in_code
+    from tpcompile.compile.inductor import collectives_in_code, subgraph_calls
 
     fw = [c for c in codes if "tangents_" not in c]
     bw = [c for c in codes if "tangents_" in c]
     return {"n_codes": len(codes), "forward": collectives_in_code(fw[0]) if fw else None,
             "backward": collectives_in_code(bw[0]) if bw else None,
-            "in_flight": matmuls_in_flight(bw[0]) if bw else []}
+            "in_flight": matmuls_in_flight(bw[0]) if bw else [],
+            "region_bodies": [subgraph_calls(c) for c in fw[:1] + bw[:1]]}
 
 
 def matmuls_in_flight(code: str) -> list[int]:
@@ -508,7 +509,7 @@ def _comparison(result) -> dict:
             "step_errs": result.step_errs, "planned": result.collectives}
 
 
-def _compiled_tp(name: str, dynamic: bool, overlap: bool | None) -> dict:
+def _compiled_tp(name: str, dynamic: bool, overlap: bool | None, layers: int = 1) -> dict:
     """Path 1: torch.compile(parallelize(model), fullgraph=True): code, shapes, 3 AdamW steps.
 
     With ``dynamic`` the first call's dims are marked: other batch sizes and sequence lengths
@@ -516,20 +517,23 @@ def _compiled_tp(name: str, dynamic: bool, overlap: bool | None) -> dict:
     """
     from torch._inductor.utils import run_and_get_code
 
-    model = tiny(name)
+    model = tiny(name, layers)
     inputs = models.example_inputs(model, 2, 8)
     tp = tpcompile.parallelize(model, inputs)
+    tp.compile_regions = layers > 1
     if dynamic:
         tpcompile.mark_dynamic(tp, *inputs)
-    step = torch.compile(tp, fullgraph=True, options=tpcompile.compile_options(overlap))
+    step = torch.compile(tp, fullgraph=True,
+                         options=tpcompile.compile_options(overlap, regions=tp.compile_regions))
     _, codes = run_and_get_code(compare, model, step, inputs)
     shapes = [(2, 8), (3, 8), (2, 12), (4, 16), (1, 8), (1, 5)] if dynamic else [(2, 8), (2, 8)]
-    out = {**_phases(codes), "calls": _calls_at_shapes(step, model, shapes)}
+    out = {**_phases(codes), "calls": _calls_at_shapes(step, model, shapes),
+           "region_calls": tp.region_calls}
     tp.zero_grad()
     return {**out, **_comparison(compare(model, step, inputs, steps=3))}
 
 
-def _compiled_by_backend(name: str, backend) -> dict:
+def _compiled_by_backend(name: str, backend, layers: int = 1) -> dict:
     """Path 2: torch.compile(model, backend=...): first call exact, then 3 AdamW steps."""
     import copy
     import gc
@@ -537,7 +541,7 @@ def _compiled_by_backend(name: str, backend) -> dict:
 
     from torch._inductor.utils import run_and_get_code
 
-    model = tiny(name)
+    model = tiny(name, layers)
     reference = copy.deepcopy(model)
     inputs = models.example_inputs(model, 2, 8)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -573,6 +577,19 @@ def _compiled_by_backend(name: str, backend) -> dict:
             "full_bytes": full_bytes, "originals_alive": sum(r() is not None for r in originals),
             "stale_optimizer": refused,
             "report": [str(r) for r in backend_report(backend)]}
+
+
+def compiled_blocks(rank: int, world_size: int, name: str) -> dict:
+    """Both compile paths on ``name`` with two identical blocks (one nested compile region);
+    the backend compiles the graph path 1 compiled, so inductor's FX graph cache serves it."""
+    out = {}
+    for key, fn, args in (("tp", _compiled_tp, (name, False, False, 2)),
+                          ("backend", _compiled_by_backend, (name, "tpcompile", 2))):
+        try:
+            out[key] = fn(*args)
+        except Exception:  # noqa: BLE001 - reported per case by the test
+            out[key] = {"error": traceback.format_exc()}
+    return out
 
 
 def backend_report(backend):

@@ -11,7 +11,8 @@ import pytest
 
 from tpcompile.tools import models
 from tpcompile.api import rewrite
-from tpcompile.compile.inductor import OVERLAP_DEFAULT, collectives_in_code, compile_options, dynamic_dims
+from tpcompile.compile.inductor import (OVERLAP_DEFAULT, collectives_in_code, compile_options, dynamic_dims,
+                                        subgraph_calls)
 
 
 def test_compile_options_turn_the_reorder_passes_on_and_off():
@@ -32,6 +33,26 @@ def test_collectives_in_code_counts_calls_not_waits_or_comments():
         torch.ops._c10d_functional.reduce_scatter_tensor.default(buf7, 'sum', 2, '0')
     """)
     assert collectives_in_code(code) == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def test_collectives_in_a_nested_region_body_count_once_per_call():
+    """A repeated block compiled once is one function body called per block (inductor's layout)."""
+    code = textwrap.dedent("""\
+        def partitioned_fw_subgraph_0_0(args):
+            a, = args
+            torch.ops._c10d_functional.all_reduce_.default(buf1, 'sum', '0')
+
+            torch.ops._c10d_functional.wait_tensor.default(buf1)
+            torch.ops._c10d_functional.all_reduce_.default(buf2, 'sum', '0')
+            return (buf2, )
+        def call(args):
+            buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf4, 2, '0')
+            buf1 = partitioned_fw_subgraph_0_0(partitioned_fw_subgraph_0_0_args)
+            buf2 = partitioned_fw_subgraph_0_0(partitioned_fw_subgraph_0_0_args)
+            buf3 = partitioned_fw_subgraph_0_0(partitioned_fw_subgraph_0_0_args)
+    """)
+    assert subgraph_calls(code) == {"partitioned_fw_subgraph_0_0": 3}
+    assert collectives_in_code(code) == {"all_reduce": 6, "all_gather": 1}
 
 
 @pytest.mark.parametrize("name", ["mlp", "llama"])

@@ -24,7 +24,9 @@ backend returns). So, on the first graph of a module's ``forward``:
 3. Later calls fail Dynamo's parameter guards (the shapes changed) and Dynamo retraces the
    module, whose forward is now the rewritten graph: collectives and local shape constants
    included. The backend sees a :class:`TPModule` frame and hands the graph to inductor with
-   :func:`tpcompile.compile_options`. This second call is idempotent by construction.
+   :func:`tpcompile.compile_options`. This second call is idempotent by construction. The
+   TPModule's repeated blocks are nested compile regions (``compile_regions``), compiled
+   once, with the inductor option they need (``compile_options(regions=True)``).
 
 Retracing the *user's* forward with local shards instead (and patching that graph) fails as
 soon as the model hard-codes a global size: the built-in Llama's ``view(B, T, n_heads, hd)``
@@ -52,7 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tpcompile.api import parallelize
 from tpcompile.runtime.collectives import all_gather
 from tpcompile.errors import TPCompileError
-from tpcompile.compile.inductor import compile_options
+from tpcompile.compile.inductor import compile_options, has_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.core.capture import set_tensor
@@ -115,7 +117,8 @@ class TPCompileBackend:
     def _inductor(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {**compile_options(self.overlap), **self.inductor_options}
+        regions = has_regions(gm)  # the TPModule's repeated blocks (compile.md): a workaround
+        patches = {**compile_options(self.overlap, regions=regions), **self.inductor_options}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _decide(self, gm, example_inputs, root: nn.Module, frame_args):
@@ -132,6 +135,7 @@ class TPCompileBackend:
             return ModuleReport(name, False, f"not parallelized: {e}"), None
         if all(p.style == "replicate" for p in tp.plan.params.values()):
             return ModuleReport(name, False, "the plan shards no weight", tp.plan), None
+        tp.compile_regions = True  # repeated blocks compile once; _inductor adds the workaround
         report = ModuleReport(name, True, "sharded on the first call; forward is the rewritten "
                               "graph (tpcompile.parallelized(model) returns it)", tp.plan)
         return report, _FirstCall(gm, example_inputs, root, tp)

@@ -22,7 +22,9 @@ Three things live here:
   static, then once per dim that changes). A size of 1 is still specialised by Dynamo
   (one extra graph for each dim that takes the value 1).
 * :func:`collectives_in_code`: the collectives of inductor's generated wrapper code, by kind,
-  so tests and benchmarks can check them against what the plan promised.
+  so tests and benchmarks can check them against what the plan promised; a repeated block
+  compiled once as a nested compile region (runtime/regions.py) counts once per call
+  (:func:`subgraph_calls`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import re
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-__all__ = ["OVERLAP_DEFAULT", "OVERLAP_PASSES", "compile_options", "dynamic_dims", "mark_dynamic",
-           "collective_kind", "collectives_in_code"]
+__all__ = ["OVERLAP_DEFAULT", "OVERLAP_PASSES", "REGIONS_WORKAROUND", "compile_options",
+           "has_regions", "dynamic_dims", "mark_dynamic",
+           "collective_kind", "collectives_in_code", "subgraph_calls"]
 
 # Inductor's scheduler passes (torch/_inductor/comms.py), the list its config recommends: move
 # each collective early and each wait late, as far as peak memory allows.
@@ -48,19 +51,35 @@ OVERLAP_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_it
 OVERLAP_DEFAULT = False
 
 
-def compile_options(overlap: bool | None = None) -> dict:
+# torch 2.13's inductor with buffer reuse on gives wrong gradients for a backward through
+# nested compile regions of a TP block (every gradient off by 1-50% on the 2-block Llama; the
+# forward is right, aot_eager and the min-cut partition alone are right): regions need it off.
+REGIONS_WORKAROUND = {"allow_buffer_reuse": False}
+
+
+def compile_options(overlap: bool | None = None, regions: bool = False) -> dict:
     """Inductor options for compiling a tensor-parallel graph (``torch.compile(options=...)``).
 
     Args:
         overlap: reorder collectives for communication/computation overlap; None takes
             ``OVERLAP_DEFAULT``, the setting the benchmark measured faster.
+        regions: the graph runs repeated blocks as nested compile regions
+            (``tp.compile_regions = True``): turns off inductor's buffer reuse, which torch
+            2.13 gets wrong there (``REGIONS_WORKAROUND``).
     """
     if overlap is None:
         overlap = OVERLAP_DEFAULT
-    if not overlap:
-        return {}
-    return {"reorder_for_compute_comm_overlap": True,
-            "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)}
+    out = dict(REGIONS_WORKAROUND) if regions else {}
+    if overlap:
+        out.update({"reorder_for_compute_comm_overlap": True,
+                    "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)})
+    return out
+
+
+def has_regions(gm: torch.fx.GraphModule) -> bool:
+    """``gm`` (a Dynamo graph) calls a nested compile region."""
+    return any(n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
+               for n in gm.graph.nodes)
 
 
 def dynamic_dims(tp) -> tuple[tuple[int, ...], ...]:
@@ -100,9 +119,31 @@ def collective_kind(op: str) -> str | None:
     return next((k for k in _KINDS if op.startswith(k)), None)
 
 
+# a nested compile region's body, emitted once: ``def partitioned_fw_subgraph_0_0(args):``
+_SUBGRAPH_DEF = re.compile(r"^def (\w*subgraph\w*)\(args\):\n((?:[ \t]+.*\n|\n)*)", re.MULTILINE)
+
+
+def subgraph_calls(code: str) -> dict[str, int]:
+    """``{body: calls}`` for each nested compile region body of one generated module.
+
+    A region's body is generated once, as a function, and called once per repeated block:
+    ``{"partitioned_fw_subgraph_0_0": 16}`` means sixteen blocks ran one compiled body.
+    """
+    bodies = {m.group(1) for m in _SUBGRAPH_DEF.finditer(code)}
+    outside = _SUBGRAPH_DEF.sub("", code)
+    return {b: len(re.findall(rf"= {b}\(", outside)) for b in sorted(bodies)}
+
+
 def collectives_in_code(code: str) -> dict[str, int]:
-    """``{kind: count}`` of the collectives issued by one generated module (waits excluded)."""
+    """``{kind: count}`` of the collectives one call of a generated module issues (waits excluded).
+
+    Collectives inside a nested compile region's body count once per call of that body.
+    """
+    bodies = {m.group(1): m.group(2) for m in _SUBGRAPH_DEF.finditer(code)}
+    calls = subgraph_calls(code)
     counts: dict[str, int] = {}
-    for kind in filter(None, map(collective_kind, _CALL.findall(code))):
-        counts[kind] = counts.get(kind, 0) + 1
+    for text, times in [(_SUBGRAPH_DEF.sub("", code), 1)] + [
+            (body, calls[name]) for name, body in bodies.items()]:
+        for kind in filter(None, map(collective_kind, _CALL.findall(text))):
+            counts[kind] = counts.get(kind, 0) + times
     return counts

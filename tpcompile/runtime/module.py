@@ -15,6 +15,7 @@ from torch import fx, nn
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime.calls import CallCheck
 from tpcompile.runtime.inputs import InputSpec
+from tpcompile.runtime.regions import regional_graph
 from tpcompile.runtime.signatures import MAX_SIGNATURES, bind_tensors, exact_fit, written_buffers
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
@@ -49,6 +50,14 @@ class TPModule(nn.Module):
         object.__setattr__(self, "capture_signature", None)
         # the same, on a meta copy of the model, for generate()'s static-cache wrapper
         object.__setattr__(self, "skeleton_capture", None)
+        # what a compiled call runs: identical blocks outlined into one nested compile region,
+        # so Dynamo/AOT/inductor compile one block body, not one per layer (runtime/regions.py)
+        regional, calls = regional_graph(gm)
+        object.__setattr__(self, "regional_graph_module", regional)
+        self.region_calls = calls
+        # opt-in: torch.compile(tp, options=tpcompile.compile_options(regions=True)) must go
+        # with it (inductor's buffer reuse is wrong there in torch 2.13; the backend does both)
+        self.compile_regions = False
 
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():  # compiled: the graph's own guards only
@@ -59,6 +68,8 @@ class TPModule(nn.Module):
             outputs = gm(*args, **kwargs)
             self.call_check.track_backward(outputs)
             return outputs
+        if self.compile_regions:
+            return self.regional_graph_module(*args, **kwargs)
         return self._graph_for(args, kwargs)[1](*args, **kwargs)
 
     def _graph_for(self, args: tuple, kwargs: dict):
