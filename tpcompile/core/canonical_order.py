@@ -35,7 +35,7 @@ from torch import fx
 
 __all__ = ["canonical_order", "is_barrier"]
 
-_PURE_MODULES = ("_operator", "math", "torch.sym_")  # SymInt arithmetic in dynamic graphs
+_PURE_MODULES = ("_operator", "math")  # SymInt arithmetic in dynamic graphs
 
 
 def is_barrier(node: fx.Node) -> bool:
