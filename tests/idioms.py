@@ -332,6 +332,43 @@ class FusedQKV(Attention):
         return self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
 
 
+class TimmQKV(Attention):
+    """timm / DiT / OpenCLIP: reshape(B, T, 3, heads, head_dim).permute(2, 0, 3, 1, 4), then
+    unbind(0) into (B, heads, T, head_dim) q, k, v."""
+
+    def init_projections(self, linear):
+        FusedQKV.init_projections(self, linear)
+
+    def forward(self, x, *extra):
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).reshape(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        return self.output(self.attend(q, k, v).transpose(1, 2))
+
+
+class SlicedQKV(Attention):
+    """Phi-3: one qkv_proj for 8 query and 4 kv heads, cut at head offsets by slices
+    (``qkv[..., :query_pos]``), so the q, k and v chunks have different sizes."""
+
+    def __init__(self):
+        super().__init__(n_kv_heads=4)
+
+    def init_projections(self, linear):
+        self.wqkv = linear(D, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.wo = linear(D, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        qkv = self.wqkv(x)
+        q_pos, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = qkv[..., :q_pos], qkv[..., q_pos:q_pos + kv], qkv[..., q_pos + kv:]
+        return (q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, -1, self.head_dim),
+                v.view(B, T, -1, self.head_dim))
+
+    def attend(self, q, k, v, *extra):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class EinsumAttention(Attention):
     """Flax / Gemma ports: (D, heads, head_dim) Parameters and einsum projections."""
 
@@ -539,6 +576,8 @@ _REGISTRY = [
     ("alibi", lambda: LM(attn=ALiBiAttention), BASELINE),
     ("fused_qkv_unbind", lambda: LM(attn=FusedQKV),
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
+    ("fused_qkv_timm", lambda: LM(attn=TimmQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
+    ("fused_qkv_slices", lambda: LM(attn=SlicedQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
     ("einsum_qkv_3d", lambda: LM(attn=EinsumAttention),
      attention_expect(col=_in_layers("attn.wq", "attn.wk", "attn.wv"), row=_in_layers("attn.wo"))),
     ("mqa", lambda: LM(attn=partial(RepeatKV, n_kv_heads=1)),  # HF configs with 1 KV head

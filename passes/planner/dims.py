@@ -7,6 +7,7 @@ compared as sympy expressions so that no guard is ever added to the capture's sh
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import sympy
 import torch
@@ -15,7 +16,7 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned
 
 __all__ = ["val", "shape", "size_expr", "view_groups", "split_layout", "merge_layout", "sub_layout",
-           "norm_dim"]
+           "chunk_layout", "norm_dim"]
 
 
 def val(arg):
@@ -105,19 +106,29 @@ def _smaller(pa, pb) -> bool:
 def split_layout(layout: Layout, size: int, inner: int) -> Layout:
     """The layout of the leading dim when a sharded dim is viewed as (size, inner)."""
     if layout.rep == 1:
-        return Layout(layout.root, size, layout.offset, layout.scale * inner, 1)
+        return replace(layout, size=size, scale=layout.scale * inner)
     if inner % layout.rep == 0:
-        return Layout(layout.root, size, layout.offset, layout.scale * inner // layout.rep, 1)
+        return replace(layout, size=size, scale=layout.scale * inner // layout.rep, rep=1)
     if layout.rep % inner == 0:
-        return Layout(layout.root, size, layout.offset, layout.scale, layout.rep // inner)
+        return replace(layout, size=size, rep=layout.rep // inner)
     lo, hi = layout.covered()
     raise Misaligned(Demand(layout.root, lo, hi, layout.scale * math.lcm(inner, layout.rep),
                             reason=f"view of {layout} by {inner} cuts repeated groups"))
 
 
+def chunk_layout(layout: Layout, chunks: int, size: int, inner: int) -> Layout | None:
+    """The layout of the second dim when a sharded dim is viewed as (chunks, size, inner):
+    a fused projection with its chunk index split off (``view(B, T, 3, heads, head_dim)``).
+    None where the dim is itself a view of repeated groups or of chunks."""
+    if layout.rep != 1 or layout.copies != 1 or layout.cover:
+        return None
+    return replace(layout, size=size, scale=layout.scale * inner, copies=chunks,
+                   period=layout.scale * size * inner)
+
+
 def merge_layout(layout: Layout, inner: int) -> Layout:
     """The layout of (sharded, inner...) dims merged into one."""
-    return Layout(layout.root, layout.size * inner, layout.offset, layout.scale, layout.rep * inner)
+    return replace(layout, size=layout.size * inner, rep=layout.rep * inner)
 
 
 def sub_layout(layout: Layout, start: int, stop: int) -> Layout:
@@ -126,5 +137,4 @@ def sub_layout(layout: Layout, start: int, stop: int) -> Layout:
         lo, hi = layout.covered()
         raise Misaligned(Demand(layout.root, lo, hi, layout.scale * layout.rep,
                                 reason=f"chunk at {start} cuts repeated groups of {layout}"))
-    return Layout(layout.root, stop - start, layout.offset + start // layout.rep * layout.scale,
-                  layout.scale, layout.rep)
+    return replace(layout, size=stop - start, offset=layout.offset + start // layout.rep * layout.scale)

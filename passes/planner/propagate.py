@@ -305,8 +305,8 @@ def _visit(node, state, specs, constraints):
             _record(state, node, op.required)
             return out
         except Misaligned as e:
-            state.demands.append(e.demand)
-            reason = e.demand.reason
+            state.demands.extend(e.demands)
+            reason = e.demands[0].reason
         except Exception as e:  # noqa: BLE001 - a rule that cannot follow an op replicates it
             log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
             reason = f"{_reading(node, state)}: its sharding rule failed ({type(e).__name__}: {e})"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -29,7 +29,7 @@ from tpcompile.core.placement import Layout, Partial, Replicate, Shard
 from tpcompile.runtime.rng import per_rank_sdpa, sharded_dropout
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import (
-    merge_layout, norm_dim, shape, split_layout, sub_layout, val, view_groups,
+    chunk_layout, merge_layout, norm_dim, shape, split_layout, sub_layout, val, view_groups,
 )
 
 aten = torch.ops.aten
@@ -575,7 +575,7 @@ def _sdpa(op):
             _require_sdpa_heads(op, q, mask, hq, target)
             return Shard(pq.dim, target)
     # each rank slices the kv heads its query heads read (several ranks may read the same)
-    group = Layout(target.root, hk, target.offset, target.scale * (hq // hk), 1, cover=True)
+    group = replace(target, size=hk, scale=target.scale * (hq // hk), rep=1, cover=True)
     for p in kv:  # kv heads that cannot follow the query heads' cut are computed whole
         if isinstance(p, Shard) and not (p.dim == hd and op.specs.same(p.layout, group)):
             op.reject(p.layout.root, f"{hk} kv heads cannot be cut like {hq} query heads over "
@@ -664,8 +664,10 @@ def _local_shape_arg(index):
 
 
 def _map_view(node, p: Shard):
-    """Where a reshape puts the sharded dim: kept, split (the shard goes to the leading part)
-    or merged (the shard must be the leading dim of the merged group); None otherwise."""
+    """Where a reshape puts the sharded dim: kept, split (the shard goes to the leading part,
+    or to the second when the leading part is a chunk index picked apart later: a fused qkv
+    viewed as (3, heads, head_dim) and unbound) or merged (the shard must be the leading dim of
+    the merged group); None otherwise."""
     src, dst = shape(node.args[0]), shape(node)
     for gi, gj in view_groups(src, dst) or []:
         if p.dim not in gi:
@@ -678,12 +680,35 @@ def _map_view(node, p: Shard):
             return Shard(real_out[0], p.layout)
         if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
             inner = math.prod(dst[d] for d in real_out[1:])
-            return Shard(real_out[0], split_layout(p.layout, dst[real_out[0]], inner))
+            lead = real_out[0]
+            if len(real_out) > 1 and isinstance(dst[lead], int) and _picked_apart(node, lead):
+                chunked = chunk_layout(p.layout, dst[lead], dst[real_out[1]],
+                                       math.prod(dst[d] for d in real_out[2:]))
+                if chunked is not None:
+                    return Shard(real_out[1], chunked)
+            return Shard(lead, split_layout(p.layout, dst[lead], inner))
         if len(real_out) == 1 and real_in[0] == p.dim and all(
                 isinstance(src[d], int) for d in real_in[1:]):
             return Shard(real_out[0], merge_layout(p.layout, math.prod(src[d] for d in real_in[1:])))
         return None
     return None
+
+
+def _picked_apart(node: fx.Node, dim: int, depth: int = 4) -> bool:
+    """Whether dim ``dim`` of ``node`` is taken apart index by index (unbind, select) by its
+    users, following it through ops that only move dims."""
+    n = len(shape(node))
+    for user in node.users:
+        if user.args[0] is not node:
+            continue
+        if user.target in (aten.unbind.int, aten.select.int):
+            if norm_dim(user.args[1] if len(user.args) > 1 else 0, n) == dim:
+                return True
+        elif depth and is_view(user):
+            moved = _maps(user, Shard(dim, Layout("", int(shape(node)[dim]))))
+            if moved is not None and _picked_apart(user, moved.dim, depth - 1):
+                return True
+    return False
 
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -710,6 +735,8 @@ def _dim_op(op):
     # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
     # the planner adds), not when the rewrite asks for the rank's size
     op.check_aligned(mapped.layout)
+    if op.node.target is aten.slice.Tensor and mapped.layout != op.placement(x).layout:
+        op.require_block(mapped.layout)  # uneven fused chunks (Phi-3's qkv[..., :q_size])
     return mapped
 
 
@@ -747,14 +774,14 @@ def _map_dim(node, p: Shard):
         dst = [i for i, s in enumerate(dst_shape) if not (isinstance(s, int) and s == 1)]
         return Shard(dst[src.index(d)], p.layout)
     if t is aten.slice.Tensor:
-        dim = norm_dim(args[1] if len(args) > 1 else 0, n_in)
-        if dim != d:
+        if norm_dim(args[1] if len(args) > 1 else 0, n_in) != d:
             return p
-        start = args[2] if len(args) > 2 else None
-        end = args[3] if len(args) > 3 else None
-        step = args[4] if len(args) > 4 else 1
-        full = (start in (None, 0)) and (end is None or (isinstance(end, int) and end >= p.layout.size))
-        return p if full and step == 1 else None
+        bounds = _slice_bounds(node, p.layout.size)
+        if bounds is None:
+            return None
+        if bounds == (0, p.layout.size):
+            return p
+        return Shard(d, sub_layout(p.layout, *bounds)) if p.layout.copies == 1 else None
     if t is aten.select.int:
         dim = norm_dim(args[1], n_in)
         return None if dim == d else Shard(d - (dim < d), p.layout)
@@ -762,8 +789,7 @@ def _map_dim(node, p: Shard):
         dim = norm_dim(args[2], n_in) if len(args) > 2 else None
         if dim != d or not isinstance(args[1], int):
             return p if dim is not None and dim != d else None
-        return Shard(d, Layout(p.layout.root, p.layout.size * args[1], p.layout.offset,
-                               p.layout.scale, p.layout.rep * args[1]))
+        return Shard(d, merge_layout(p.layout, args[1]))
     if t is aten.unflatten.int:
         dim, sizes = norm_dim(args[1], n_in), list(args[2])
         if dim != d:
@@ -788,6 +814,18 @@ def _map_dim(node, p: Shard):
     return None
 
 
+def _slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:
+    """``[start, stop)`` of a ``slice`` with step 1 and static bounds, clamped as Python does."""
+    args = node.args
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    if step != 1 or not all(b is None or isinstance(b, int) for b in (start, end)):
+        return None
+    start, end = slice(start, end).indices(size)[:2]
+    return start, max(start, end)
+
+
 def _localize_dim_op(node, local):
     if node.target in VIEWS or node.target is aten.expand.default:
         _local_shape_arg(1)(node, local)
@@ -806,9 +844,15 @@ def _localize_dim_op(node, local):
         asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
         dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
         local.replace_target(node, aten.squeeze.dims, (x, dims))
-    elif node.target is aten.slice.Tensor and len(node.args) > 3 and local.input_sharded_on(
-            node, node.args[1]):  # shorter: the end is already open
-        local.set_arg(node, 3, 2**63 - 1)
+    elif node.target is aten.slice.Tensor and local.input_sharded_on(
+            node, node.args[1] if len(node.args) > 1 else 0):
+        # a whole-dim slice keeps the rank's shard; a chunk's bounds become the rank's part of it
+        p, (out,) = local.consumed(node.args[0], node), local.out_placements(node)
+        start, _ = _slice_bounds(node, p.layout.size)
+        node.args = tuple(node.args) + (0, None, None)[len(node.args) - 1:]
+        before = local.local_size(Shard(p.dim, sub_layout(p.layout, 0, start))) if start else 0
+        local.set_arg(node, 2, before)
+        local.set_arg(node, 3, before + local.local_size(out))
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
@@ -839,6 +883,22 @@ def _localize_split(node, local):
         return
     sizes = [local.local_size(pl) for pl in local.out_placements(node)]
     local.replace_target(node, aten.split_with_sizes.default, (node.args[0], sizes) + tuple(node.args[2:]))
+
+
+@register(aten.unbind.int)
+def _unbind(op):
+    """Unbinding another dim keeps every piece on the input's cut (q, k, v of a fused qkv
+    viewed as (B, T, 3, heads, head_dim): each holds the rank's heads); unbinding the sharded
+    dim itself would hand each rank whole pieces only some ranks hold: gathered."""
+    x = op.node.args[0]
+    n, p = len(val(op.node)), op.placement(x)
+    if not isinstance(p, Shard):
+        return [p] * n
+    dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, len(shape(x)))
+    if dim == p.dim:
+        op.require(x, Replicate())
+        return [Replicate()] * n
+    return [Shard(p.dim - (dim < p.dim), p.layout)] * n
 
 
 @register(operator.getitem)

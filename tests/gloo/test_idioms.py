@@ -29,6 +29,11 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "swiglu_fused_gate_up": (2, 4),    # one gate_up Linear chunked in two (crashed a pass before)
     "linear_subclass_matmul": (2, 4),  # x @ self.weight.T in a Linear subclass
     "moe_stacked_bmm": (2, 4),         # stacked (experts, out, in) weights through bmm
+    # fused qkv viewed as (B, T, 3, heads, head_dim) then unbound, also after a permute (timm):
+    # the heads dim holds the rank's heads of each chunk; Phi-3's uneven slices of one qkv_proj
+    "fused_qkv_unbind": (2, 4),
+    "fused_qkv_timm": (2, 4),
+    "fused_qkv_slices": (2, 4),
     # complex RoPE, view(bs, seqlen, -1, head_dim), SDPA(enable_gqa=True) with 8 q / 2 kv
     # heads: at 4 ranks each rank reads whole kv heads (replicated kv weights)
     "torchtitan_llama3": (2, 4),

@@ -34,7 +34,20 @@ def test_misaligned_view_demands_units():
     s = specs(48, 4)  # 12 each: cuts through heads of 8
     with pytest.raises(Misaligned) as e:
         s.ranges(Layout("w", 6, scale=8))
-    assert e.value.demand == Demand("w", 0, 48, 8, reason=e.value.demand.reason)
+    (demand,) = e.value.demands
+    assert demand == Demand("w", 0, 48, 8, reason=demand.reason)
+
+
+def test_chunks_viewed_apart_demand_their_own_blocks_cut_alike():
+    # a fused (3 x 2 heads of 4) qkv output viewed as (3, heads, head_dim): the heads dim holds
+    # the same heads of q, k and v; contiguous 12 / 12 cuts give ranks different heads per chunk
+    chunks = Layout("w", 2, scale=4, copies=3, period=8)
+    with pytest.raises(Misaligned) as e:
+        specs(24, 2).ranges(chunks)
+    assert [(d.start, d.stop, d.unit) for d in e.value.demands] == [(0, 8, 4), (8, 16, 4), (16, 24, 4)]
+    cut = specs(24, 2, *e.value.demands)
+    assert cut.ranges(chunks) == (((0, 1),), ((1, 2),))
+    assert cut.ranges(Layout("w", 24)) == (((0, 4), (8, 12), (16, 20)), ((4, 8), (12, 16), (20, 24)))
 
 
 def test_fused_qkv_blocks_are_split_each():

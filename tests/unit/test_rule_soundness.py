@@ -367,7 +367,7 @@ def test_rules_agree_with_whole_tensor_ops(cases, ws):
             try:
                 _check(case, ws, inputs, state)
             except Exception as e:  # noqa: BLE001 - collected, reported together
-                failures.append(f"{type(e).__name__}: {e}"[:1500])
+                failures.append(f"{case.desc} placements {inputs}: {type(e).__name__}: {e}"[:1500])
     print(f"\nws={ws}: {counted} (op, sample, placement) cases checked over {len(all_cases)} "
           f"one-op graphs, {len(by_op)} overloads; known unsound, skipped: {dict(known)}")
     for op, n in sorted(by_op.items()):

@@ -11,6 +11,10 @@ weight. A root is cut into blocks; each block is split over the ranks in whole *
 than ranks, replicated on all of them. A derived layout maps index ``i`` of its own dimension to
 root indices ``[offset + (i // rep) * scale, ... + scale)``: ``scale`` appears when a feature
 dimension is viewed as ``(heads, head_dim)``, ``rep`` when grouped-query heads are repeated.
+``copies`` appears when a fused dimension is viewed with its chunk index split off
+(``qkv.view(B, T, 3, heads, head_dim)``): the dimension then indexes within each of ``copies``
+root ranges ``period`` apart, and every rank must hold the same indices of each, which the
+chunks' blocks guarantee (each chunk one block, cut alike).
 
 Everything here is rank-independent data: one plan describes every rank, and per-rank index
 ranges are computed from it.
@@ -58,16 +62,24 @@ class Layout:
     # a rank holds every index whose root unit its cut touches, not only whole ones: the kv
     # heads a rank's query heads read when there are fewer kv heads than ranks
     cover: bool = False
+    copies: int = 1
+    period: int = 0
 
     def covered(self) -> tuple[int, int]:
-        """The root indices this dimension spans."""
-        return self.offset, self.offset + -(-self.size // self.rep) * self.scale
+        """The root indices this dimension spans (in every copy)."""
+        return self.offset, self.offset + (self.copies - 1) * self.period + self.span
+
+    @property
+    def span(self) -> int:
+        """The root indices one copy spans."""
+        return -(-self.size // self.rep) * self.scale
 
     def __str__(self) -> str:
         extra = "".join(
             f"{k}={v}" for k, v in (("+", self.offset), ("*", self.scale), ("rep", self.rep))
             if v != (0 if k == "+" else 1)
-        ) + (" cover" if self.cover else "")
+        ) + (" cover" if self.cover else "") + (
+            f" x{self.copies}/{self.period}" if self.copies > 1 else "")
         return f"{self.root}[{self.size}{' ' + extra if extra else ''}]"
 
 
@@ -108,11 +120,11 @@ class Demand:
 
 
 class Misaligned(Exception):
-    """A derived layout cuts through a unit of its root; carries the demand that fixes it."""
+    """A derived layout cuts through a unit of its root; carries the demands that fix it."""
 
-    def __init__(self, demand: Demand):
-        super().__init__(demand.reason)
-        self.demand = demand
+    def __init__(self, *demands: Demand):
+        super().__init__(demands[0].reason)
+        self.demands = demands
 
 
 @dataclass(frozen=True)
@@ -199,7 +211,15 @@ class Specs:
 
     def _compute(self, layout: Layout) -> tuple[Ranges, ...]:
         spec = self.roots[layout.root]
-        lo, hi = layout.covered()
+        per_copy = [self._copy(spec, layout, layout.offset + c * layout.period)
+                    for c in range(layout.copies)]
+        if any(ranges != per_copy[0] for ranges in per_copy[1:]):
+            raise _by_copy(layout, f"{layout} needs its {layout.copies} chunks cut alike")
+        return per_copy[0]
+
+    def _copy(self, spec: RootSpec, layout: Layout, lo: int) -> tuple[Ranges, ...]:
+        """Per rank, the indices of one copy (at root index ``lo``) it holds."""
+        hi = lo + layout.span
         out = []
         for owned in spec.owned:
             mine = []
@@ -208,9 +228,7 @@ class Specs:
                 if s >= e:
                     continue
                 if not layout.cover and ((s - lo) % layout.scale or (e - lo) % layout.scale):
-                    raise Misaligned(Demand(
-                        layout.root, lo, hi, layout.scale,
-                        reason=f"{layout} needs {layout.root} cut in units of {layout.scale}"))
+                    raise _by_copy(layout, f"{layout} needs {layout.root} cut in units of {layout.scale}")
                 a = (s - lo) // layout.scale * layout.rep
                 b = min(-(-(e - lo) // layout.scale) * layout.rep, layout.size)
                 mine.append((a, b))
@@ -238,6 +256,14 @@ class Specs:
                 if not any(os <= s and e <= oe for os, oe in ro):
                     return False
         return True
+
+
+def _by_copy(layout: Layout, reason: str) -> Misaligned:
+    """The demands that cut each copy of ``layout`` as one block in its units, so all copies
+    are cut alike."""
+    starts = range(layout.offset, layout.covered()[1], layout.period) if layout.copies > 1 else [layout.offset]
+    return Misaligned(*(Demand(layout.root, s, s + layout.span, layout.scale, reason=reason)
+                        for s in starts))
 
 
 def positions(held: Ranges, wanted: Ranges) -> list[tuple[int, int]]:
