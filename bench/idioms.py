@@ -1,6 +1,7 @@
 """tpcompile's plans of the idiom corpus (tests/idioms.py) against Megatron-style plans.
 
     python bench/idioms.py --numerics         # every idiom at 2 and 4 ranks -> results/idioms.md
+                                              # and the idiom table of docs/models.md
     python bench/idioms.py --only alibi --world-sizes 2 --json /tmp/alibi.json
 
 Plans come from ``tpcompile.explain``, with no process group. Per idiom and world size:
@@ -216,6 +217,37 @@ def details(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+START, END = "<!-- idiom-table:start -->", "<!-- idiom-table:end -->"
+
+
+def support_table(rows: list[dict]) -> str:
+    """One row per idiom for docs/models.md: how it is written, and per world size whether the
+    plan is Megatron's (collectives per layer forward / backward, bytes over the ideal)."""
+    sizes = sorted({r["world_size"] for r in rows})
+    lines = ["| idiom | written as | " + " | ".join(f"{ws} ranks" for ws in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    by = {(r["idiom"], r["world_size"]): r for r in rows}
+    for name in idioms.IDIOMS:
+        cells = []
+        for ws in sizes:
+            r = by[name, ws]
+            if "per_layer" not in r:
+                cells.append(r["status"])
+                continue
+            verdict = "Megatron's plan" if _matches(r) else "off the plan"
+            cells.append(f"{verdict}: {r['per_layer']} AR, {r['over_ideal']:+.0%} bytes, "
+                         f"{r.get('numerics', 'not run')}")
+        lines.append(f"| `{name}` | {idioms.STYLES[name]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _write_docs(table: str) -> None:
+    text = DOCS.read_text()
+    a, b = text.index(START) + len(START), text.index(END)
+    DOCS.write_text(f"{text[:a]}\n{table}\n{text[b:]}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(idioms.IDIOMS), help="one idiom")
@@ -252,6 +284,7 @@ def main(argv=None) -> None:
             f"the ideal, all-reduces at the bound, no other collective, and the unsharded "
             f"model's numbers (relative error <= {TOLERANCE:g}).\n\n{table}\n\n"
             f"## Where a plan is not Megatron's, and the planner's reasons\n\n{details(rows)}\n")
+        _write_docs(support_table(rows))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["IDIOMS", "EXPECT", "Expect", "build", "example_inputs"]
+__all__ = ["IDIOMS", "EXPECT", "Expect", "STYLES", "build", "example_inputs"]
 
 D, HEADS, HIDDEN, VOCAB, LAYERS, MAX_SEQ = 64, 8, 128, 256, 2, 64
 HEAD_DIM = D // HEADS
@@ -610,6 +610,33 @@ _REGISTRY = [
     ("mqa_sdpa_broadcast", lambda: LM(attn=partial(Attention, n_kv_heads=1)),  # Falcon
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
 ]
+# what each idiom writes its own way, for the support table bench/idioms.py generates
+STYLES = {
+    "rope_rotate_half": "HF Llama RoPE: `q * cos + rotate_half(q) * sin`",
+    "rope_gptj_interleaved": "GPT-J RoPE on pairs `x[..., 0::2]`, `x[..., 1::2]`, `stack(..., -1).flatten(-2)`",
+    "rope_neox_partial": "GPT-NeoX partial rotary: `cat(rotated q[..., :rd], q[..., rd:])`",
+    "torchtitan_llama3": "torchtitan Llama 3: `view_as_complex` RoPE, `view(bs, T, -1, hd)`, SDPA `enable_gqa`, 8 q / 2 kv heads",
+    "rope_pair_stack": "RoPE by `reshape(..., -1, 2)`, `stack([...], -1).flatten(3)`",
+    "alibi": "BLOOM / MPT ALiBi: per-head distance biases added to explicit scores",
+    "fused_qkv_unbind": "one qkv Linear, `view(B, T, 3, H, D).unbind(2)`",
+    "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
+    "fused_qkv_slices": "Phi-3 `qkv_proj` cut by uneven slices `qkv[..., :q_pos]` (8 q / 4 kv heads)",
+    "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
+    "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",
+    "gqa_expand_reshape": "GQA 8 q / 4 kv heads, HF `repeat_kv` by expand + reshape",
+    "gqa_repeat_interleave": "GQA 8 q / 4 kv heads by `repeat_interleave` on the head dim",
+    "softmax_masked_fill": "nanoGPT explicit attention: `masked_fill` with a tril buffer, softmax, `@ v`",
+    "qk_norm_whole": "OLMo 2: RMSNorm over the whole q and k projections, before the head split",
+    "swiglu_linear": "SwiGLU with three `nn.Linear` (the baseline)",
+    "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
+    "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",
+    "swiglu_fused_gate_up": "one `gate_up_proj` Linear, `chunk(2, -1)`",
+    "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
+    "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
+    "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
+    "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
+    "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
+}
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}
 

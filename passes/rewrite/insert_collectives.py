@@ -6,10 +6,12 @@
   share one conversion, so a value feeding q, k and v is converted once.
 * Each replicated value whose gradient arrives as per-rank partial sums gets one
   ``copy_to_region`` (Megatron *f*) in front of the consumers that make it partial; weights
-  with replicated blocks get ``sync_grad_pieces`` on those blocks.
+  with replicated blocks get ``sync_grad_pieces`` on those blocks, one per repeated block.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -17,6 +19,7 @@ from torch import fx
 from tpcompile.runtime import collectives as C
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each, positions
 from tpcompile.core.shards import gather_args
+from tpcompile.core.block_paths import repeated_block_paths
 from tpcompile.core.plan import ShardingPlan
 
 aten = torch.ops.aten
@@ -92,15 +95,7 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
         for u in partial_users:
             u.replace_input_with(value, f_of[name])
 
-    for p in plan.params.values():
-        if p.grad_sync and isinstance(p.placement, Shard):
-            w = next(n for n in g.nodes if n.op == "get_attr" and n.target == p.name)
-            pieces = _replicated_pieces(conv.specs, p.placement.layout, rank)
-            users = list(w.users)
-            with g.inserting_before(min(users, key=order.__getitem__)):
-                synced = g.call_function(C.sync_grad_pieces, (w, p.placement.dim, pieces, group))
-            for u in users:
-                u.replace_input_with(w, synced)
+    _sync_grad_pieces(gm, plan, conv.specs, rank, group, order)
 
     groups: dict = {}
     for c in plan.conversions:
@@ -115,6 +110,30 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
             user.replace_input_with(source, out)
     g.lint()
     return gm
+
+
+def _sync_grad_pieces(gm, plan: ShardingPlan, specs: Specs, rank: int, group: str, order) -> None:
+    """One ``sync_grad_pieces`` per repeated block for the weights with replicated blocks in it
+    (wk and wv where kv heads are fewer than ranks), and one for those outside blocks: one
+    gradient all-reduce, not one each. Per block, so FSDP2 per block sees its gradients whole."""
+    g, blocks = gm.graph, repeated_block_paths(gm)
+    attrs = {n.target: n for n in g.nodes if n.op == "get_attr"}
+    buckets: dict[str, list] = {}
+    for p in plan.params.values():
+        if p.grad_sync and isinstance(p.placement, Shard):
+            block = next((b for b in blocks if p.name.startswith(b + ".")), "")
+            buckets.setdefault(block, []).append(p)
+    for params in buckets.values():
+        weights = [attrs[p.name] for p in params]
+        users = [list(w.users) for w in weights]
+        with g.inserting_before(min((u for us in users for u in us), key=order.__getitem__)):
+            synced = g.call_function(C.sync_grad_pieces, (
+                weights, [p.placement.dim for p in params],
+                [_replicated_pieces(specs, p.placement.layout, rank) for p in params], group))
+            for i, (w, us) in enumerate(zip(weights, users)):
+                item = g.call_function(operator.getitem, (synced, i))
+                for u in us:
+                    u.replace_input_with(w, item)
 
 
 def _key(p):

@@ -6,8 +6,10 @@ Whether each plan reaches its Megatron bound is measured, not asserted, by bench
 
 from __future__ import annotations
 
+import re
 import warnings
 from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,15 @@ NAMES = list(idioms.IDIOMS)
 
 def test_corpus_has_at_least_18_idioms():
     assert len(NAMES) >= 18 and len(set(NAMES)) == len(NAMES)
+
+
+def test_docs_support_table_has_a_row_per_idiom():
+    """docs/models.md's idiom table is written by bench/idioms.py: a new idiom needs a rerun."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    table = text[text.index("<!-- idiom-table:start -->"):text.index("<!-- idiom-table:end -->")]
+    rows = re.findall(r"^\| `(\w+)` \|", table, re.M)
+    assert rows == NAMES, "rerun `python bench/idioms.py --numerics` to regenerate the table"
+    assert set(idioms.STYLES) == set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -69,10 +69,18 @@ def nbytes(shape: list, dtype) -> int | None:
 
 def _message_shape(call: fx.Node, value) -> list:
     shape = concrete_shape(value)
-    if call.target is sync_grad_pieces:  # only the replicated pieces' gradients are summed
-        dim, pieces = call.args[1], call.args[2]
-        shape[dim] = sum(e - s for s, e in pieces)
+    if call.target is sync_grad_pieces:  # the replicated pieces of every weight, flattened
+        sizes = []
+        for w, dim, pieces in zip(*call.args[:3]):
+            whole = concrete_shape(w.meta["val"])
+            sizes.append(math.prod(whole) // whole[dim] * sum(e - s for s, e in pieces))
+        return [sum(sizes)]
     return shape
+
+
+def _input(call: fx.Node) -> fx.Node:
+    """The value a collective call converts (a gradient sync's first weight)."""
+    return call.args[0][0] if call.target is sync_grad_pieces else call.args[0]
 
 
 def _layers(trace: RewriteTrace) -> dict[str, str]:
@@ -95,7 +103,7 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
     for call in trace.gm.graph.nodes:
         if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
             continue
-        src = source_node(call.args[0], trace.plan.placements)
+        src = source_node(_input(call), trace.plan.placements)
         value = src.meta["val"]
         shape = _message_shape(call, value)
         for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):

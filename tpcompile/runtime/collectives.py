@@ -68,23 +68,30 @@ class _CopyToRegion(torch.autograd.Function):
 
 
 class _SyncGradPieces(torch.autograd.Function):
-    """f for a weight with replicated blocks: only those rows' gradients are partial sums."""
+    """f for weights with replicated blocks: only those rows' gradients are partial sums. The
+    pieces of several weights (a block's replicated wk and wv) go in one all-reduce."""
 
     @staticmethod
-    def forward(ctx, w, dim, pieces, group):
-        ctx.dim, ctx.pieces, ctx.group = dim, pieces, group
-        return w.view_as(w)
+    def forward(ctx, dims, pieces, group, *weights):
+        ctx.dims, ctx.pieces, ctx.group = dims, pieces, group
+        return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
-    def backward(ctx, grad):
-        parts = [grad.narrow(ctx.dim, s, e - s) for s, e in ctx.pieces]
-        summed = _all_reduce(torch.cat(parts, ctx.dim), ctx.group)
-        out, pos, offset = [], 0, 0
-        for (s, e), n in zip(ctx.pieces, [e - s for s, e in ctx.pieces]):
-            out += [grad.narrow(ctx.dim, pos, s - pos), summed.narrow(ctx.dim, offset, n)]
-            pos, offset = e, offset + n
-        out.append(grad.narrow(ctx.dim, pos, grad.shape[ctx.dim] - pos))
-        return torch.cat(out, ctx.dim), None, None, None
+    def backward(ctx, *grads):
+        parts = [g.narrow(dim, s, e - s) for g, dim, pieces in zip(grads, ctx.dims, ctx.pieces)
+                 for s, e in pieces]
+        summed = iter(_all_reduce(torch.cat([p.reshape(-1) for p in parts]), ctx.group)
+                      .split([p.numel() for p in parts]))
+        out = []
+        for g, dim, pieces in zip(grads, ctx.dims, ctx.pieces):
+            kept, pos = [], 0
+            for s, e in pieces:
+                piece = next(summed).view(g.narrow(dim, s, e - s).shape)
+                kept += [g.narrow(dim, pos, s - pos), piece]
+                pos = e
+            kept.append(g.narrow(dim, pos, g.shape[dim] - pos))
+            out.append(torch.cat(kept, dim))
+        return (None, None, None, *out)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -97,9 +104,10 @@ def copy_to_region(x: torch.Tensor, group: str) -> torch.Tensor:
     return _CopyToRegion.apply(x, group)
 
 
-def sync_grad_pieces(w: torch.Tensor, dim: int, pieces: list, group: str) -> torch.Tensor:
-    """A weight whose ``pieces`` along ``dim`` are replicated on every rank inside a region."""
-    return _SyncGradPieces.apply(w, dim, pieces, group)
+def sync_grad_pieces(weights: list, dims: list, pieces: list, group: str) -> tuple:
+    """Weights whose ``pieces`` along ``dims`` are replicated on every rank inside a region:
+    their gradients' pieces are summed over the ranks in one all-reduce."""
+    return _SyncGradPieces.apply(dims, pieces, group, *weights)
 
 
 def _gather(x: torch.Tensor, dim: int, width: int, index, group_size: int, group: str):
