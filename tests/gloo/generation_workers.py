@@ -170,3 +170,16 @@ def compiled_decode(rank: int, world_size: int) -> dict:
     return {"eager": eager.tolist(), "compiled": compiled.tolist(),
             "want": greedy(model, prompt, NEW).tolist()}
 
+
+def hf_compiled_generate(rank: int, world_size: int) -> dict:
+    """Greedy ``tp.generate`` eagerly, then with its decode steps compiled (inductor)."""
+    model = hf_causal_lm("llama").eval()
+    ids, mask = _prompt()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    eager = tp.generate(ids, **args).tolist()
+    tp.compile_generation(options=tpcompile.compile_options())
+    compiled = tp.generate(ids, **args).tolist()
+    inner = next(iter(tp._generation.values()))
+    return {"eager": eager, "compiled": compiled, "want": model.generate(ids, **args).tolist(),
+            "used": "compiled_decode" in inner.__dict__}

@@ -89,3 +89,10 @@ def test_generate_after_training_uses_the_updated_shards(fast):
         assert c["want"] != c["before"]  # training changed what the model generates
         assert c["loss_err"] <= 1e-5
 
+
+@pytest.mark.slow
+def test_compiled_generate_matches_eager():
+    """``tp.compile_generation``: decode steps through torch.compile (inductor), same tokens."""
+    for c in run_on_ranks(f"{WORKERS}:hf_compiled_generate", 2):
+        assert c["used"]
+        assert c["compiled"] == c["eager"] == c["want"]

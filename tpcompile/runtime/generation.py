@@ -120,6 +120,16 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
     return store[key]
 
 
+def _decode_step(tp, module):
+    """What a decode step calls: ``module``, or ``torch.compile`` of it (``tp.compile_generation``)
+    once its one-token signature is captured."""
+    if tp.generation_compile is None or not module.signatures:
+        return module
+    if "compiled_decode" not in module.__dict__:  # not a child module: no state_dict entries
+        module.__dict__["compiled_decode"] = torch.compile(module, **tp.generation_compile)
+    return module.__dict__["compiled_decode"]
+
+
 @torch.no_grad()
 def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              generation_config=None, **kwargs) -> torch.Tensor:
@@ -179,6 +189,6 @@ def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = 
             break
         full[:, length + step] = 1
         positions = positions[:, -1:] + 1
-        logits = module(chosen[:, None], full, positions,
-                        torch.tensor([length + step], device=input_ids.device))
+        logits = _decode_step(tp, module)(chosen[:, None], full, positions,
+                                          torch.tensor([length + step], device=input_ids.device))
     return sequences
