@@ -6,9 +6,9 @@ rank although the ranks are seeded apart (tokens are chosen on one rank and broa
 static KV cache is sharded on kv heads, the parameters are the module's own shards, and a
 decode step issues one all-reduce per attention block and one per MLP block.
 
-CI runs Llama (GQA) and GPT-2 (Conv1D, fused c_attn) at 2 ranks, and Llamas with fewer kv
-heads than ranks (8 query heads over 2 kv heads, and over 1) at 4; every family at 2 and 4
-ranks is ``pytest -m slow``.
+CI runs Llama (GQA) and GPT-2 (Conv1D, fused c_attn) at 2 ranks, and a Llama with fewer kv
+heads than ranks (8 query heads over 2 kv heads) at 4; the same over 1 kv head (MQA) and
+every family at 2 and 4 ranks are ``pytest -m slow``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.dist
 WORKERS = str(Path(__file__).parent / "generation_workers.py")
 FAST = ["llama", "gpt2"]  # at 2 ranks
 ALL = ["llama", "qwen2", "mistral", "gpt2", "qwen3"]
-FEW_KV = ["llama_8q2kv", "llama_mqa"]  # fewer kv heads than 4 ranks
 # (query heads, kv heads) of the tiny configs (hidden 64)
 HEADS = {"gpt2": (4, 4), "llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
 HEAD_DIM = {"qwen3": 128}  # Qwen3Config's own head_dim; the others: hidden / query heads
@@ -74,12 +73,13 @@ def test_every_family_generates_the_unsharded_tokens(ws):
     _check(ws, run_on_ranks(f"{WORKERS}:hf_generate", ws, ALL), ALL)
 
 
-def test_fewer_kv_heads_than_ranks_cache_only_the_heads_read():
-    """8 query heads over 2 kv heads (GQA) and over 1 (MQA) at 4 ranks: each rank's cache
-    holds the one kv head its 2 query heads read (1/2 of the GQA cache), tokens unchanged.
+@pytest.mark.parametrize("name", ["llama_8q2kv", pytest.param("llama_mqa", marks=pytest.mark.slow)])
+def test_fewer_kv_heads_than_ranks_cache_only_the_heads_read(name):
+    """8 query heads over 2 kv heads (GQA; CI) and over 1 (MQA; slow) at 4 ranks: each rank's
+    cache holds the one kv head its 2 query heads read (half the GQA cache), tokens unchanged.
     Greedy only: sampling takes the same path (the 2-rank tests and the slow sweep check it)."""
-    per_rank = run_on_ranks(f"{WORKERS}:hf_generate", 4, FEW_KV, False, False)
-    _check(4, per_rank, FEW_KV, sampled=False)
+    per_rank = run_on_ranks(f"{WORKERS}:hf_generate", 4, [name], False, False)
+    _check(4, per_rank, [name], sampled=False)
 
 
 def test_generate_after_training_uses_the_updated_shards(fast):
