@@ -186,7 +186,12 @@ class SignatureCapture:
 
 
 def _cut(plan, entry):
-    """Which slice of a tensor each rank holds (root names differ between captures)."""
+    """Which slice of a tensor each rank holds (root names differ between captures).
+
+    A tensor every rank holds whole is one cut however the plan spells it (``R``, or a shard
+    of a root kept whole: a kv projection with fewer kv heads than ranks)."""
+    if all(tuple(s) == tuple(entry.global_shape) for s in entry.local_shapes):
+        return "whole"
     p = entry.placement
     ranges = plan.specs.ranges(p.layout) if isinstance(p, Shard) else None
     return type(p).__name__, getattr(p, "dim", None), entry.local_shapes, ranges

@@ -75,6 +75,11 @@ def hf_causal_lm(name: str):
         return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
                                                 n_positions=64, resid_pdrop=0, embd_pdrop=0,
                                                 attn_pdrop=0))
+    # 8 query heads over 2 kv heads (GQA) or 1 (MQA): fewer kv heads than 4 ranks
+    heads = {"llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
+    if name in heads:
+        llama_like.update(num_attention_heads=heads[name][0], num_key_value_heads=heads[name][1])
+        name = "llama"
     config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
               "qwen3": tf.Qwen3Config}[name](**llama_like)
     return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
@@ -88,7 +93,9 @@ def _prompt():
     return ids, mask
 
 
-def _hf_case(name: str) -> dict:
+def _hf_case(name: str, sample: bool = True) -> dict:
+    """Greedy tokens, the cache and the collectives; with ``sample``, sampled tokens and a
+    refused beam search too."""
     model = hf_causal_lm(name).eval()
     ids, mask = _prompt()
     tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
@@ -97,22 +104,27 @@ def _hf_case(name: str) -> dict:
                        top_p=0.9, temperature=0.8, pad_token_id=0)
     out = {"want": model.generate(ids, **greedy_args).tolist(),
            "tokens": tp.generate(ids, **greedy_args).tolist()}
-    torch.manual_seed(7)
-    out["sample_want"] = model.generate(ids, **sample_args).tolist()
-    torch.manual_seed(7 + dist.get_rank())  # ranks seeded apart: still the same tokens
-    out["sampled"] = tp.generate(ids, **sample_args).tolist()
+    if sample:
+        torch.manual_seed(7)
+        out["sample_want"] = model.generate(ids, **sample_args).tolist()
+        torch.manual_seed(7 + dist.get_rank())  # ranks seeded apart: still the same tokens
+        out["sampled"] = tp.generate(ids, **sample_args).tolist()
+        out["beams"] = _error(lambda: tp.generate(ids, num_beams=2, max_new_tokens=2))
     inner = next(iter(tp._generation.values()))
     out["caches"] = {n: tuple(b.shape) for n, b in inner.named_buffers() if n.startswith("key_cache")}
+    out["cache_bytes"] = sum(b.numel() * b.element_size() for n, b in inner.named_buffers()
+                             if n.startswith(("key_cache", "value_cache")))
+    out["rank"] = dist.get_rank()
     graphs = [inner.graph_module] + [gm for _, gm in inner.signatures]
     out["collectives"] = [count_collectives(gm)["forward"] for gm in graphs]
     out["shared"] = all(p is tp.get_parameter(n.removeprefix("model."))
                         for n, p in inner.named_parameters())
-    out["beams"] = _error(lambda: tp.generate(ids, num_beams=2, max_new_tokens=2))
     return out
 
 
-def hf_generate(rank: int, world_size: int, names: list, train: bool = False) -> dict:
-    out = {name: _hf_case(name) for name in names}
+def hf_generate(rank: int, world_size: int, names: list, train: bool = False,
+                sample: bool = True) -> dict:
+    out = {name: _hf_case(name, sample) for name in names}
     if train:
         out["train"] = train_then_generate(rank, world_size)
     return out
@@ -157,3 +169,17 @@ def compiled_decode(rank: int, world_size: int) -> dict:
     compiled = greedy(torch.compile(tp, options=tc.compile_options()), prompt, NEW)
     return {"eager": eager.tolist(), "compiled": compiled.tolist(),
             "want": greedy(model, prompt, NEW).tolist()}
+
+
+def hf_compiled_generate(rank: int, world_size: int) -> dict:
+    """Greedy ``tp.generate`` eagerly, then with its decode steps compiled (inductor)."""
+    model = hf_causal_lm("llama").eval()
+    ids, mask = _prompt()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    eager = tp.generate(ids, **args).tolist()
+    tp.compile_generation(options=tpcompile.compile_options())
+    compiled = tp.generate(ids, **args).tolist()
+    inner = next(iter(tp._generation.values()))
+    return {"eager": eager, "compiled": compiled, "want": model.generate(ids, **args).tolist(),
+            "used": "compiled_decode" in inner.__dict__}

@@ -6,8 +6,9 @@ rank although the ranks are seeded apart (tokens are chosen on one rank and broa
 static KV cache is sharded on kv heads, the parameters are the module's own shards, and a
 decode step issues one all-reduce per attention block and one per MLP block.
 
-CI runs Llama (GQA) and GPT-2 (Conv1D, fused c_attn) at 2 ranks; every family at 2 and 4
-ranks is ``pytest -m slow``.
+CI runs Llama (GQA) and GPT-2 (Conv1D, fused c_attn) at 2 ranks, and a Llama with fewer kv
+heads than ranks (8 query heads over 2 kv heads) at 4; the same over 1 kv head (MQA) and
+every family at 2 and 4 ranks are ``pytest -m slow``.
 """
 
 from __future__ import annotations
@@ -24,22 +25,34 @@ pytestmark = pytest.mark.dist
 WORKERS = str(Path(__file__).parent / "generation_workers.py")
 FAST = ["llama", "gpt2"]  # at 2 ranks
 ALL = ["llama", "qwen2", "mistral", "gpt2", "qwen3"]
-KV_HEADS, HEADS, LAYERS = 2, 4, 2
+# (query heads, kv heads) of the tiny configs (hidden 64)
+HEADS = {"gpt2": (4, 4), "llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
+HEAD_DIM = {"qwen3": 128}  # Qwen3Config's own head_dim; the others: hidden / query heads
+LAYERS, BATCH, CACHE_LEN, HIDDEN = 2, 2, 6 + 4, 64  # cache: the prompt and 4 new tokens
 
 
-def _check(ws: int, per_rank: list, names: list) -> None:
+def covered_kv_heads(hq: int, hk: int, ws: int, rank: int) -> int:
+    """The kv heads a rank's query heads read (its share of hq heads cut evenly in order)."""
+    per = hq // ws
+    return len({h // (hq // hk) for h in range(rank * per, (rank + 1) * per)})
+
+
+def _check(ws: int, per_rank: list, names: list, sampled: bool = True) -> None:
     for name in names:
+        hq, hk = HEADS.get(name, (4, 2))
         for c in (r[name] for r in per_rank):
             assert c["tokens"] == c["want"], name
-            assert c["sampled"] == c["sample_want"], name
             assert c["shared"], name
-            assert c["beams"].startswith("InputError: tpcompile's generate() decodes greedily")
-            heads = HEADS if name == "gpt2" else KV_HEADS
-            # fewer kv heads than ranks: the planner keeps HF's k/v projections (repeat_kv)
-            # whole, as tests/gloo/test_hf_models.py states, and the cache follows them
-            expected = heads // ws if heads >= ws else heads
+            if sampled:
+                assert c["sampled"] == c["sample_want"], name
+                assert c["beams"].startswith("InputError: tpcompile's generate() decodes greedily")
+            # each rank holds the kv heads its query heads read: 1/N of them when they divide
+            heads = covered_kv_heads(hq, hk, ws, c["rank"])
             for shape in c["caches"].values():
-                assert shape[1] == expected, (name, shape)
+                assert shape[1] == heads, (name, shape)
+            head_dim = HEAD_DIM.get(name, HIDDEN // hq)
+            k_and_v = 2 * LAYERS * BATCH * heads * CACHE_LEN * head_dim * 4  # float32
+            assert c["cache_bytes"] == k_and_v, name
             assert len(c["collectives"]) == 2  # prefill and decode captures
             for graph in c["collectives"]:
                 assert graph == {"all_reduce": 2 * LAYERS}, (name, graph)
@@ -60,9 +73,26 @@ def test_every_family_generates_the_unsharded_tokens(ws):
     _check(ws, run_on_ranks(f"{WORKERS}:hf_generate", ws, ALL), ALL)
 
 
+@pytest.mark.parametrize("name", ["llama_8q2kv", pytest.param("llama_mqa", marks=pytest.mark.slow)])
+def test_fewer_kv_heads_than_ranks_cache_only_the_heads_read(name):
+    """8 query heads over 2 kv heads (GQA; CI) and over 1 (MQA; slow) at 4 ranks: each rank's
+    cache holds the one kv head its 2 query heads read (half the GQA cache), tokens unchanged.
+    Greedy only: sampling takes the same path (the 2-rank tests and the slow sweep check it)."""
+    per_rank = run_on_ranks(f"{WORKERS}:hf_generate", 4, [name], False, False)
+    _check(4, per_rank, [name], sampled=False)
+
+
 def test_generate_after_training_uses_the_updated_shards(fast):
     """3 SGD steps on the module and on the unsharded model, then greedy generation."""
     for c in (r["train"] for r in fast):
         assert c["tokens"] == c["want"]
         assert c["want"] != c["before"]  # training changed what the model generates
         assert c["loss_err"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_generate_matches_eager():
+    """``tp.compile_generation``: decode steps through torch.compile (inductor), same tokens."""
+    for c in run_on_ranks(f"{WORKERS}:hf_compiled_generate", 2):
+        assert c["used"]
+        assert c["compiled"] == c["eager"] == c["want"]

@@ -18,6 +18,9 @@ seed it as you would seed the unsharded model).
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,8 +34,9 @@ class StaticCacheLM(nn.Module):
     """``forward(input_ids, attention_mask (B, max_len), position_ids, cache_position) -> logits``
     of a causal LM whose ``StaticCache`` tensors are this module's buffers."""
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int):
+    def __init__(self, model: nn.Module, batch: int, max_len: int, gqa_in_sdpa: bool = False):
         super().__init__()
+        self.gqa_in_sdpa = gqa_in_sdpa
         from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
         from transformers.integrations.executorch import get_head_shapes
 
@@ -59,8 +63,33 @@ class StaticCacheLM(nn.Module):
             layer.keys, layer.values = getattr(self, f"key_cache_{i}"), getattr(self, f"value_cache_{i}")
             layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
             layer.cumulative_length.copy_(cache_position[0])
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, cache=self.cache, use_cache=True).logits
+        with _sdpa_gqa(self.gqa_in_sdpa):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, cache=self.cache, use_cache=True).logits
+
+
+@contextmanager
+def _sdpa_gqa(on: bool):
+    """While tracing, let transformers' SDPA attention read grouped kv heads itself.
+
+    Under export, transformers repeats the kv heads (``repeat_kv``: expand + reshape) unless
+    ``TRANSFORMERS_SDPA_FORCE_GQA`` asks for SDPA's ``enable_gqa``. With fewer kv heads than
+    ranks the planner can only cut the repeated heads, so k, v and the cache they are stored
+    in stay whole; through ``enable_gqa`` each rank stores just the kv heads its query heads
+    read (``Layout.cover``). Same math; only the traced spelling changes.
+    """
+    if not on:
+        yield
+        return
+    before = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
+        else:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = before
 
 
 def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
@@ -71,7 +100,12 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
     key = (batch, max_len)
     if key not in store:
         capture = tp.skeleton_capture
-        wrapper = StaticCacheLM(capture.skeleton, batch, max_len)
+        config = capture.skeleton.config.get_text_config()
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        # fewer kv heads than ranks: attend through SDPA's enable_gqa (see _sdpa_gqa)
+        gqa = (kv_heads is not None and kv_heads < dist.get_world_size(tp.group)
+               and getattr(config, "_attn_implementation", None) == "sdpa")
+        wrapper = StaticCacheLM(capture.skeleton, batch, max_len, gqa_in_sdpa=gqa)
         n = max(prompt_len, 2)
         meta = dict(device="meta", dtype=torch.long)
         example = (torch.empty(batch, n, **meta), torch.empty(batch, max_len, **meta),
@@ -84,6 +118,16 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
         store.clear()  # one cache at a time: a new batch or length frees the last one
         store[key] = inner
     return store[key]
+
+
+def _decode_step(tp, module):
+    """What a decode step calls: ``module``, or ``torch.compile`` of it (``tp.compile_generation``)
+    once its one-token signature is captured."""
+    if tp.generation_compile is None or not module.signatures:
+        return module
+    if "compiled_decode" not in module.__dict__:  # not a child module: no state_dict entries
+        module.__dict__["compiled_decode"] = torch.compile(module, **tp.generation_compile)
+    return module.__dict__["compiled_decode"]
 
 
 @torch.no_grad()
@@ -145,6 +189,6 @@ def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = 
             break
         full[:, length + step] = 1
         positions = positions[:, -1:] + 1
-        logits = module(chosen[:, None], full, positions,
-                        torch.tensor([length + step], device=input_ids.device))
+        logits = _decode_step(tp, module)(chosen[:, None], full, positions,
+                                          torch.tensor([length + step], device=input_ids.device))
     return sequences

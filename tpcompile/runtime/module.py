@@ -50,6 +50,8 @@ class TPModule(nn.Module):
         object.__setattr__(self, "capture_signature", None)
         # the same, on a meta copy of the model, for generate()'s static-cache wrapper
         object.__setattr__(self, "skeleton_capture", None)
+        # torch.compile arguments for generate()'s decode steps (compile_generation)
+        object.__setattr__(self, "generation_compile", None)
         # what a compiled call runs: identical blocks outlined into one nested compile region,
         # so Dynamo/AOT/inductor compile one block body, not one per layer (runtime/regions.py)
         regional, calls = regional_graph(gm)
@@ -101,6 +103,16 @@ class TPModule(nn.Module):
         """
         from tpcompile.runtime.generation import generate
         return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+
+    def compile_generation(self, **compile_kwargs) -> None:
+        """Make :meth:`generate` run its one-token decode steps through ``torch.compile(...,
+        **compile_kwargs)`` (e.g. ``options=tpcompile.compile_options()``, or
+        ``mode="reduce-overhead"`` on CUDA). The prefill stays eager; the decode step is
+        captured eagerly on its first call, then compiled (a capture cannot run inside a
+        compiled call). Tokens are the eager ones."""
+        object.__setattr__(self, "generation_compile", dict(compile_kwargs))
+        for inner in self.__dict__.get("_generation", {}).values():
+            inner.__dict__.pop("compiled_decode", None)
 
     def reset_caches(self) -> None:
         """Zero every buffer the graphs write in place (a static KV cache), on this rank."""
