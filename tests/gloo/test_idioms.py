@@ -29,6 +29,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "swiglu_fused_gate_up": (2, 4),    # one gate_up Linear chunked in two (crashed a pass before)
     "linear_subclass_matmul": (2, 4),  # x @ self.weight.T in a Linear subclass
     "moe_stacked_bmm": (2, 4),         # stacked (experts, out, in) weights through bmm
+    "moe_modulelist_top2": (2, 4),     # Mixtral's loop: index_add_ into zeros_like, one sync per fork
     # complex RoPE, view(bs, seqlen, -1, head_dim), SDPA(enable_gqa=True) with 8 q / 2 kv
     # heads: at 4 ranks each rank reads whole kv heads (replicated kv weights)
     "torchtitan_llama3": (2, 4),
