@@ -25,7 +25,8 @@ Per family:
   where KV heads are fewer than ranks, the separate K / V projections (``_megatron_shards``);
 * *collectives vs bound*: per layer forward / backward all-reduces against Megatron's 2 / 2,
   plus 1 backward per replicated weight whose gradient is all-reduced inside a layer when
-  Megatron replicates it too (MQA/GQA K and V: +2; an MoE router: +1; per-head q / k norms:
+  Megatron replicates it too (MQA/GQA K and V: +2; an MoE router, or the routing weights'
+  gradient synced once at the router (``gate`` / ``router``): +1; per-head q / k norms:
   +2); a parallel attention + MLP block under the bound (2 / 1) counts as at it;
 * *gathers / fallbacks*: every all-gather or reduce-scatter, every op without a sharding rule;
 * *status*: ``at bound`` (collectives at the bound, nothing gathered, no weight Megatron
@@ -376,10 +377,13 @@ def _megatron_extra(row) -> int:
         if m and _QK_NORM.search(m.group(1)):
             modules.add(m.group(1))
     # MoE experts weighted by routing weights after the row-parallel down projection: the
-    # weights' gradient sums over the experts' partial outputs (tokens x top-k numbers)
+    # weights' gradient sums over the experts' partial outputs (tokens x top-k numbers), once
+    # at the router when the planner sums the experts' picks first, else once per expert
     experts = [k for k in row.get("collectives", {})
                if re.match(r"backward all_reduce at \S+\.experts ", k)]
-    return len(modules) + max(len(experts) - 1, 0)
+    routers = [k for k in row.get("collectives", {})
+               if re.match(r"backward all_reduce at \S+\.(gate|router) ", k)]
+    return len(modules) + max(len(experts) - 1, 0) + min(len(routers), 1)
 
 
 _QK_NORM = re.compile(r"(^|\.)(q|k|query|key)_?(norm|layernorm|ln)$")

@@ -31,6 +31,7 @@ from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.core.stamp import capture_reusing_blocks
 from tpcompile.errors import CaptureError, TPCompileError
+from tpcompile.passes.planner.functionalize import functionalize_fresh_writes_pass
 from tpcompile.passes.planner.decompose import MAX_ROUNDS, decomposable, decompose_nodes
 from tpcompile.passes.planner.mutations import clone_converted_writes_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
@@ -47,8 +48,10 @@ __all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES",
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
 
-# graph -> graph, before the planner: the planner sees matmuls without biases
-PLANNING_PASSES: list[Pass] = [("split_bias", split_bias_pass)]
+# graph -> graph, before the planner: the planner sees matmuls without biases, and writes
+# into buffers the graph makes itself as values (out of place)
+PLANNING_PASSES: list[Pass] = [("split_bias", split_bias_pass),
+                               ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]
 # one rank's rewrite, in order: (name, pass, the parts of the rank's context it takes)
 REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [
     ("localize", localize_pass, ("plan", "rank", "group")),  # per-rank ops, shape constants

@@ -30,7 +30,7 @@ from torch import fx
 from tpcompile.errors import PlanError
 from tpcompile.core.plan import ShardingPlan
 
-__all__ = ["written_args", "WriteConflict", "write_conflicts", "check_mutations",
+__all__ = ["written_args", "aliases", "WriteConflict", "write_conflicts", "check_mutations",
            "clone_converted_writes_pass"]
 
 aten = torch.ops.aten
@@ -62,7 +62,7 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     return node.args[0] if isinstance(node.args[0], fx.Node) else None
 
 
-def _aliases(node: fx.Node) -> set[fx.Node]:
+def aliases(node: fx.Node) -> set[fx.Node]:
     """``node`` and everything that shares its storage downstream (views, in-place results)."""
     out, todo = set(), [node]
     while todo:
@@ -106,7 +106,7 @@ def write_conflicts(gm: fx.GraphModule, converted: Callable[[fx.Node, fx.Node], 
             hit = next(((u, v) for u, v in edges if converted(u, v)), None)
             if hit is None:
                 continue  # each rank writes into its own part of the same tensor
-            stale = _aliases(base) - _aliases(node)
+            stale = aliases(base) - aliases(node)
             late = sorted({u.name for n in stale for u in n.users if order[u] > order[node]})
             if base.op in ("placeholder", "get_attr"):
                 late.insert(0, f"{base.name} (an input or buffer: the caller sees it)")

@@ -38,7 +38,7 @@ from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import (
-    LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, rule_for,
+    FRESH_BUFFERS, LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, rule_for,
 )
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
@@ -244,17 +244,19 @@ def _stale_ties(state: Propagation, constraints) -> dict[str, str]:
 
 
 def _floating(v) -> bool:
-    """A floating tensor, or a multi-output op's list holding one (split, chunk, unbind)."""
+    """A floating (or complex: RoPE's rotation) tensor, or a multi-output op's list holding
+    one (split, chunk, unbind)."""
     if isinstance(v, (list, tuple)):
         return any(_floating(x) for x in v)
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+    return isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
 
 
 def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
     """Values that may carry a gradient: floating tensors downstream of params or inputs.
 
     A split's output list carries them through to its getitems; without it, a value reached
-    only through a fused qkv split would lose its gradient all-reduce (Megatron f).
+    only through a fused qkv split would lose its gradient all-reduce (Megatron f). A new
+    buffer (``zeros_like(x)``) carries none: it reads only ``x``'s shape.
     """
     out = set()
     for node in gm.graph.nodes:
@@ -262,7 +264,8 @@ def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
             continue
         if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
             out.add(node)
-        elif node.op == "call_function" and any(a in out for a in node.all_input_nodes):
+        elif (node.op == "call_function" and node.target not in FRESH_BUFFERS
+              and any(a in out for a in node.all_input_nodes)):
             out.add(node)
     return out
 
@@ -312,18 +315,52 @@ def _pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | No
     return None
 
 
-def _grad_syncs(gm, state: Propagation, needs_grad: set) -> list[str]:
-    """Replicated values some consumer differentiates only partially (per rank) -> f."""
-    out = []
+def _grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, ...]]:
+    """Replicated values some consumers differentiate only partially (per rank) -> those
+    consumers, which read the value through one gradient all-reduce (Megatron's *f*).
+
+    Sum, then reduce: a replicated value every differentiating consumer of which is partial,
+    computed by a replicated op from one value that carries a gradient, passes its gradient
+    to that value through a Jacobian every rank shares (a VJP is linear in the gradient), so
+    the sum over ranks may be taken there instead. The sync moves up, and the syncs of values
+    forked from one (each expert's ``index_select`` of the tokens, each expert's pick of the
+    routing weights) become one.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    partial: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node not in needs_grad or not isinstance(state.placements.get(node), Replicate):
-            continue
-        for user in node.users:
-            dst = state.conversions.get((node, user))
-            if isinstance(dst, Shard) or (dst is None and _is_distributed(state.placements.get(user))):
-                out.append(node.name)
-                break
-    return out
+        if node in needs_grad and isinstance(state.placements.get(node), Replicate):
+            users = [u for u in node.users if _partial_grad_edge(state, node, u)]
+            if users:
+                partial[node] = users
+    for node in reversed(gm.graph.nodes):
+        up = _hoisted_to(state, node, partial.get(node, ()), needs_grad)
+        if up is not None:
+            del partial[node]
+            partial.setdefault(up, []).append(node)
+    return {n.name: tuple(u.name for u in sorted(partial[n], key=order.__getitem__))
+            for n in sorted(partial, key=order.__getitem__)}
+
+
+def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node) -> bool:
+    dst = state.conversions.get((value, user))
+    return isinstance(dst, Shard) or (dst is None and _is_distributed(state.placements.get(user)))
+
+
+def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: set):
+    """The one replicated value ``node``'s partial gradient may be summed at, or None."""
+    if not partial_users or node.op != "call_function":
+        return None
+    if any(u not in partial_users and (u in needs_grad or u.op == "output") for u in node.users):
+        return None  # some consumer's gradient is whole on every rank: it must not be summed
+    inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
+    if any(not isinstance(state.placements.get(a), Replicate) or (a, node) in state.conversions
+           for a in inputs):
+        return None  # a gathered or reduced input: its backward is no plain VJP on each rank
+    carriers = [a for a in inputs if a in needs_grad]
+    if len(carriers) != 1 or carriers[0].op != "call_function":
+        return None
+    return carriers[0]
 
 
 def _partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:
@@ -414,7 +451,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
         world_size=ws, params=params,
         placements={n.name: p for n, p in state.placements.items() if p is not None},
         conversions=conversions,
-        grad_syncs=tuple(syncs),
+        grad_syncs=syncs,
         roots={k: v for k, v in specs.roots.items() if k in used_roots},
         fallbacks=dict(state.fallbacks),
         replicated=dict(constraints.killed),

@@ -1004,3 +1004,74 @@ def _localize_cross_entropy(node, local):
     local.replace_target(node, vocab_parallel_cross_entropy,
                          (x, target, p.dim, start, stop, reduction, ignore_index, local.group,
                           p.layout.size))
+
+
+# --------------------------------------------------------------------------- fresh buffers
+
+# ops that make a new graph-local tensor: writes into one can be made out of place
+# (tpcompile.passes.planner.functionalize)
+FRESH_BUFFERS = frozenset({
+    aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
+    aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+    aten.full.default, aten.full_like.default, aten.new_full.default,
+    aten.ones.default, aten.ones_like.default, aten.new_ones.default,
+})
+# fresh buffers whose values are any placement's as they are on every rank: zeros are a
+# partial sum of zeros, and an empty buffer's values are unspecified
+_ANY_PLACEMENT = frozenset({
+    aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
+    aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+})
+
+
+def _written_partially(op, base, src) -> bool:
+    """A partial ``src`` written into a replicated zero-filled or empty ``base``: the result is
+    a partial sum as it is, with no all-reduce of ``src`` first."""
+    return (isinstance(op.placement(src), Partial) and isinstance(op.placement(base), Replicate)
+            and isinstance(base, fx.Node) and base.target in _ANY_PLACEMENT)
+
+
+@register(aten.index_add.default)
+def _index_add(op):
+    """``x.index_add(dim, index, source)``: ``x`` plus ``source``'s rows added at ``index``.
+    A sum, so partial ``x`` and ``source`` stay partial (Mixtral's expert loop accumulating
+    row-parallel outputs into ``zeros_like``), and a shard of another dim passes."""
+    x, _, index, source = op.node.args[:4]
+    labels = _index_copy_labels(op)
+    if _cut_at_positions(op, labels[0]):
+        return _replicate_all(op)
+    op.require(index, Replicate())
+    if _written_partially(op, x, source):
+        return Partial()
+    return einsum_rule(op, labels, labels[0][1], linear="add")
+
+
+@register(aten.slice_scatter.default, aten.select_scatter.default)
+def _scatter_into_view(op):
+    """``x`` with ``x[..., a:b]`` (``slice_scatter``) or ``x[..., i]`` (``select_scatter``)
+    replaced by ``src``: linear in the pair, and a shard of a dim the view keeps passes."""
+    x, src, dim = op.node.args[:3]
+    n = len(shape(x))
+    dim = norm_dim(dim, n)
+    written = [(x, [d if d != dim else "pos" for d in range(n)])]
+    if op.node.target == aten.slice_scatter.default:
+        written.append((src, [d if d != dim else None for d in range(n)]))
+    else:
+        written.append((src, [d for d in range(n) if d != dim]))
+    if _cut_at_positions(op, written[0]):
+        return _replicate_all(op)
+    if _written_partially(op, x, src):
+        return Partial()
+    return einsum_rule(op, written, written[0][1], linear="add")
+
+
+@register(aten.expand_as.default)
+def _expand_as(op):
+    """``src.expand_as(x)`` (a ``copy_`` made out of place): ``x`` gives only its shape, so a
+    shard of either passes (the other is sliced locally) and a partial ``src`` stays partial."""
+    src, x = op.node.args[:2]
+    if isinstance(op.placement(src), Partial) and not isinstance(op.placement(x), Shard):
+        return Partial()
+    out = shape(op.node)
+    labels = list(range(len(out)))
+    return einsum_rule(op, [(x, labels)] + _broadcast_labels([src], out), labels)

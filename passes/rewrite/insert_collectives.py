@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from tpcompile.runtime import collectives as C
-from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each, positions
+from tpcompile.core.placement import Partial, Replicate, Shard, Specs, positions
 from tpcompile.core.shards import gather_args
 from tpcompile.core.block_paths import repeated_block_paths
 from tpcompile.core.plan import ShardingPlan
@@ -71,14 +71,6 @@ class _Converter:
         return _slices(g, x, dst.dim, positions(held, wanted), sum(e - s for s, e in held))
 
 
-def _is_partial_grad_edge(plan: ShardingPlan, consumed: dict, value: str, user: fx.Node) -> bool:
-    dst = consumed.get((value, user.name))
-    if isinstance(dst, Shard):
-        return True
-    p = plan.placement(user.name)
-    return dst is None and any(x is not None and not isinstance(x, Replicate) for x in each(p))
-
-
 def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
     g = gm.graph
     nodes = {n.name: n for n in g.nodes}
@@ -87,9 +79,9 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
     conv = _Converter(gm, plan, rank, group)
 
     f_of = {}
-    for name in plan.grad_syncs:
+    for name, users in plan.grad_syncs.items():
         value = nodes[name]
-        partial_users = [u for u in value.users if _is_partial_grad_edge(plan, consumed, name, u)]
+        partial_users = [nodes[u] for u in users]
         with g.inserting_before(min(partial_users, key=order.__getitem__)):
             f_of[name] = g.call_function(C.copy_to_region, (value, group))
         for u in partial_users:

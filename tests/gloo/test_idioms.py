@@ -34,6 +34,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "fused_qkv_unbind": (2, 4),
     "fused_qkv_timm": (2, 4),
     "fused_qkv_slices": (2, 4),
+    "moe_modulelist_top2": (2, 4),     # Mixtral's loop: index_add_ into zeros_like, one sync per fork
     # complex RoPE, view(bs, seqlen, -1, head_dim), SDPA(enable_gqa=True) with 8 q / 2 kv
     # heads: at 4 ranks each rank reads whole kv heads (replicated kv weights)
     "torchtitan_llama3": (2, 4),

@@ -35,6 +35,55 @@ class UnruledOpAttention(nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+class FreshBufferKeys(nn.Module):
+    """MLA's ``expand_kv``: each head's key is its own part and a part every head shares,
+    written into a ``new_empty`` buffer by ``copy_`` into slices (the shared part broadcast)."""
+
+    def __init__(self, dim=32, heads=4, own=6, shared=2):
+        super().__init__()
+        self.heads, self.own, self.head_dim = heads, own, own + shared
+        self.q = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.k_own = nn.Linear(dim, heads * own, bias=False)
+        self.k_shared = nn.Linear(dim, shared, bias=False)
+        self.v = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        H, D = self.heads, self.head_dim
+        q = self.q(x).view(B, T, H, D).transpose(1, 2)
+        v = self.v(x).view(B, T, H, D).transpose(1, 2)
+        own = self.k_own(x).view(B, T, H, self.own).transpose(1, 2)
+        shared = self.k_shared(x).view(B, T, 1, D - self.own).transpose(1, 2)
+        k = own.new_empty(B, H, T, D)
+        k[..., :self.own].copy_(own)
+        k[..., self.own:].copy_(shared)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class FreshBufferIndexAdd(nn.Module):
+    """Rows routed by sign to one of two MLPs (no output bias, as MoE experts), accumulated
+    by ``index_add_`` into zeros."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.GELU(),
+                                                nn.Linear(hidden, dim, bias=False)) for _ in range(2))
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        out = torch.zeros_like(flat)
+        positive = flat.sum(-1) > 0
+        for i, mlp in enumerate(self.mlps):
+            (rows,) = torch.where(positive == bool(i))
+            out.index_add_(0, rows, mlp(flat.index_select(0, rows)))
+        return x + out.view(B, T, C)
+
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -47,6 +96,9 @@ CASES = {
     "mlp_uneven": ("mlp", {"dim": 20, "hidden": 30}),
     # the scores go through an op without a sharding rule: gathered there, still exact
     "unknown_op_fallback": (UnruledOpAttention, {}),
+    # in-place writes into buffers the model makes itself, planned out of place
+    "fresh_buffer_copy": (FreshBufferKeys, {}),
+    "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),
 }
 
 

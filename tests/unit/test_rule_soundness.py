@@ -295,7 +295,7 @@ def _close(actual, expected, partial: bool, what: str):
 
 def _check(case: Case, ws: int, inputs: dict, state) -> None:
     specs = state.specs
-    plan = ShardingPlan(world_size=ws, params={}, conversions=(), grad_syncs=(),
+    plan = ShardingPlan(world_size=ws, params={}, conversions=(), grad_syncs={},
                         placements={n.name: p for n, p in state.placements.items() if p is not None},
                         roots=dict(specs.roots))
     out_p = each(plan.placements[case.node])

@@ -105,7 +105,9 @@ class ShardingPlan:
     params: dict[str, ParamPlan]
     placements: dict[str, object]          # node name -> Placement (list for multi-output ops)
     conversions: tuple[Conversion, ...]
-    grad_syncs: tuple[str, ...]            # replicated values whose gradients are all-reduced
+    # replicated value whose gradient is all-reduced -> the users that read its synced copy
+    # (those whose gradient arrives as per-rank partial sums)
+    grad_syncs: dict[str, tuple[str, ...]]
     roots: dict[str, RootSpec]
     fallbacks: dict[str, str] = field(default_factory=dict)   # node -> why it was gathered
     replicated: dict[str, str] = field(default_factory=dict)  # weight -> why kept whole
@@ -147,7 +149,7 @@ class ShardingPlan:
             "conversions": [{"value": c.value, "user": c.user, "src": placement_to_json(c.src),
                              "dst": placement_to_json(c.dst), "sum_grads": c.sum_grads}
                             for c in self.conversions],
-            "grad_syncs": list(self.grad_syncs),
+            "grad_syncs": {k: list(v) for k, v in self.grad_syncs.items()},
             "roots": {k: {"name": r.name, "size": r.size, "world_size": r.world_size,
                           "blocks": [asdict(b) for b in r.blocks]} for k, r in self.roots.items()},
             "fallbacks": self.fallbacks,
@@ -178,7 +180,7 @@ class ShardingPlan:
             conversions=tuple(Conversion(c["value"], c["user"], placement_from_json(c["src"]),
                                          placement_from_json(c["dst"]), c["sum_grads"])
                               for c in obj["conversions"]),
-            grad_syncs=tuple(obj["grad_syncs"]),
+            grad_syncs={k: tuple(v) for k, v in obj["grad_syncs"].items()},
             roots=roots,
             fallbacks=obj["fallbacks"],
             replicated=obj["replicated"],

@@ -1,0 +1,122 @@
+"""In-place writes into fresh graph-local buffers, rewritten into their out-of-place forms.
+
+Model code often builds a result by writing into a buffer it just created:
+Mixtral's expert loop accumulates ``out.index_add_(0, token, y)`` into ``torch.zeros_like(x)``,
+MLA's ``expand_kv`` fills ``buf = x.new_empty(...)`` by ``buf[..., :k].copy_(a)``.
+torch.export keeps these writes in place, and in-place ops tie placements to storage (see
+:mod:`tpcompile.passes.planner.mutations`): the planner can only keep them replicated. When
+the written tensor is *fresh* (made inside the graph by a factory op, not an input, buffer or
+parameter) and no other view of it is read after the write, nothing else can observe its
+storage, so the write is a value: ``index_add_`` becomes ``index_add``, a ``copy_`` into
+``buf[..., :k]`` becomes ``slice_scatter(buf, a.expand_as(buf[..., :k]), -1, 0, k)``, and every
+later reader of the buffer reads the new value. The rule table then sees functional ops only
+(``index_add`` of partial expert outputs into zeros stays partial: one all-reduce per MoE
+block instead of one per expert).
+
+The out-of-place overload of an in-place op comes from torch's own naming relation
+(``aten.index_add_.default`` -> ``aten.index_add.default``); only the views that have a
+scatter inverse (``slice``, ``select``) are written through. Anything else stays in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.passes.planner.mutations import aliases, written_args
+from tpcompile.passes.planner.rules import FRESH_BUFFERS
+
+__all__ = ["functionalize_fresh_writes_pass", "out_of_place"]
+
+aten = torch.ops.aten
+
+# a view of the written tensor -> the op that writes a value back through it
+_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default,
+             aten.select.int: aten.select_scatter.default}
+
+
+def out_of_place(target) -> torch._ops.OpOverload | None:
+    """``aten.index_add_.default`` -> ``aten.index_add.default`` (None if torch has none)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    functional = getattr(packet, target._overloadname, None) if packet is not None else None
+    if functional is None or functional._schema.is_mutable:
+        return None
+    return functional
+
+
+def _written_through(node: fx.Node, fresh: set[fx.Node]) -> list[fx.Node] | None:
+    """[base, view, ..., written] when ``node`` writes a fresh buffer directly or through
+    single-use slices/selects of it, else None."""
+    written = written_args(node)
+    if len(written) != 1 or written[0] is not node.args[0]:
+        return None
+    chain = [written[0]]
+    while chain[0] not in fresh:
+        view = chain[0]
+        if (view.op != "call_function" or view.target not in _SCATTERS
+                or len(view.users) != 1 or not isinstance(view.args[0], fx.Node)):
+            return None
+        chain.insert(0, view.args[0])
+    return chain
+
+
+def _unobserved(chain: list[fx.Node], node: fx.Node, order: dict) -> bool:
+    """No view of the buffer is taken before the write (it would see the write)."""
+    views = aliases(chain[0]) - set(chain) - aliases(node)
+    return all(order[v] > order[node] for v in views)
+
+
+def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite in-place writes into fresh buffers (see module docstring)."""
+    g = gm.graph
+    fresh = {n for n in g.nodes if n.op == "call_function" and n.target in FRESH_BUFFERS}
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for node in list(g.nodes):
+        functional = out_of_place(node.target) if node.op == "call_function" else None
+        chain = _written_through(node, fresh) if functional is not None else None
+        if chain is None or (len(chain) > 1 and node.users) or not _unobserved(chain, node, order):
+            continue
+        base = chain[0]
+        later = [u for u in base.users if u not in chain and order[u] > order[node]]
+        before = node.prev
+        with g.inserting_before(node):
+            value = _write_back(g, node, functional, chain)
+        made = before.next
+        while made is not node:  # the new nodes stand where the write stood
+            order[made], made = order[node], made.next
+        node.replace_all_uses_with(value)
+        for user in later:
+            user.replace_input_with(base, value)
+        g.erase_node(node)
+        fresh.add(value)
+    return gm
+
+
+def _written_value(g: fx.Graph, node: fx.Node, functional) -> fx.Node:
+    """What ``node`` leaves in the tensor it writes. ``copy_``'s out-of-place ``aten.copy``
+    has no derivative, so a copy is written as its source cast and broadcast to the view."""
+    if node.target is not aten.copy_.default:
+        return g.call_function(functional, node.args, node.kwargs)
+    view, src = node.args[:2]
+    dtype = view.meta["val"].dtype
+    if src.meta["val"].dtype != dtype:
+        src = g.call_function(aten._to_copy.default, (src,), {"dtype": dtype})
+        src.meta.update(node.meta)
+        src.meta["val"] = node.args[1].meta["val"].to(dtype)
+    return g.call_function(aten.expand_as.default, (src, view))
+
+
+def _write_back(g: fx.Graph, node: fx.Node, functional, chain: list[fx.Node]) -> fx.Node:
+    """The out-of-place op on the written view, scattered back through each view to the base."""
+    value = _written_value(g, node, functional)
+    value.meta.update(node.meta)
+    for view, inner in zip(reversed(chain[1:]), reversed(chain[:-1])):
+        value = g.call_function(_SCATTERS[view.target], (inner, value, *view.args[1:]), view.kwargs)
+        value.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        value.meta["val"] = inner.meta.get("val")
+    return value
