@@ -40,8 +40,8 @@ class Expect:
 
     Every trainable parameter matches exactly one of ``colwise``, ``rowwise``, ``replicated``.
     ``kv`` are column-parallel while the ``kv_heads`` KV heads can be split over the ranks, and
-    replicated when there are fewer KV heads than ranks (Megatron's replicated KV groups: each
-    one's weight gradient is all-reduced, one more backward all-reduce per tensor). The
+    replicated when there are fewer KV heads than ranks (Megatron's replicated KV groups: their
+    gradients are all-reduced, bucketed: one more backward all-reduce per layer). The
     all-reduces are per layer and training step: 1 + 1 per column -> row chain.
     """
 
@@ -59,7 +59,7 @@ class Expect:
         if world_size <= self.kv_heads:
             return replace(self, colwise=self.colwise + self.kv, kv=())
         return replace(self, replicated=self.replicated + self.kv, kv=(),
-                       bwd_allreduce_per_layer=self.bwd_allreduce_per_layer + len(self.kv))
+                       bwd_allreduce_per_layer=self.bwd_allreduce_per_layer + bool(self.kv))
 
     def style(self, fqn: str) -> str | None:
         """colwise | rowwise | replicate for ``fqn`` (after ``at``); None if no glob names it."""

@@ -19,7 +19,7 @@ from torch import fx
 from tpcompile.runtime import collectives as C
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, positions
 from tpcompile.core.shards import gather_args
-from tpcompile.core.block_paths import repeated_block_paths
+from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.plan import ShardingPlan
 
 aten = torch.ops.aten
@@ -79,13 +79,17 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
     conv = _Converter(gm, plan, rank, group)
 
     f_of = {}
-    for name, users in plan.grad_syncs.items():
-        value = nodes[name]
-        partial_users = [nodes[u] for u in users]
-        with g.inserting_before(min(partial_users, key=order.__getitem__)):
-            f_of[name] = g.call_function(C.copy_to_region, (value, group))
-        for u in partial_users:
-            u.replace_input_with(value, f_of[name])
+    for bucket in _grad_sync_buckets(gm, plan, nodes, order):
+        with g.inserting_before(min((u for _, us in bucket for u in us), key=order.__getitem__)):
+            if len(bucket) == 1:
+                synced = [g.call_function(C.copy_to_region, (bucket[0][0], group))]
+            else:
+                call = g.call_function(C.copy_all_to_region, ([v for v, _ in bucket], group))
+                synced = [g.call_function(operator.getitem, (call, i)) for i in range(len(bucket))]
+        for (value, users), f in zip(bucket, synced):
+            f_of[value.name] = f
+            for u in users:
+                u.replace_input_with(value, f)
 
     _sync_grad_pieces(gm, plan, conv.specs, rank, group, order)
 
@@ -102,6 +106,59 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
             user.replace_input_with(source, out)
     g.lint()
     return gm
+
+
+def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list[list]:
+    """The plan's gradient syncs of values, as [(value, partial users)] buckets: the values of
+    one repeated block made before any of them is read (k and v) share one all-reduce. The
+    readers that ran between one value and the next move after the last (they only depend on
+    earlier nodes), so the bucket exists before its first reader."""
+    blocks, buckets, last = repeated_block_paths(gm), [], None
+    synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
+                    key=lambda item: order[item[0]])
+    for value, users in synced:
+        key = block_of(value, blocks)
+        if last is not None and key is not None and key == last[0] and _movable(last[1], value, order):
+            last[1].append((value, users))
+            continue
+        last = (key, [(value, users)])
+        buckets.append(last[1])
+    for bucket in buckets:
+        _readers_after(bucket, order)
+    return buckets
+
+
+def _early_readers(bucket: list, anchor: fx.Node, order: dict) -> list[fx.Node]:
+    """The nodes before ``anchor`` that read a bucketed value, and everything they feed there."""
+    seen, todo = set(), [u for _, us in bucket for u in us if order[u] < order[anchor]]
+    while todo:
+        n = todo.pop()
+        if n not in seen and order[n] < order[anchor]:
+            seen.add(n)
+            todo += list(n.users)
+    return sorted(seen, key=order.__getitem__)
+
+
+def _movable(bucket: list, value: fx.Node, order: dict) -> bool:
+    """``value`` may join: it is not computed from any of the bucket's values."""
+    members, first = {v for v, _ in bucket}, order[bucket[0][0]]
+    todo, seen = [value], set()
+    while todo:
+        n = todo.pop()
+        if n in members:
+            return False
+        if n not in seen and order[n] > first:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return True
+
+
+def _readers_after(bucket: list, order: dict) -> None:
+    anchor = max((v for v, _ in bucket), key=order.__getitem__)
+    for n in reversed(_early_readers(bucket, anchor, order)):
+        anchor.append(n)  # keeps their relative order
+    for i, n in enumerate(anchor.graph.nodes):
+        order[n] = i
 
 
 def _sync_grad_pieces(gm, plan: ShardingPlan, specs: Specs, rank: int, group: str, order) -> None:

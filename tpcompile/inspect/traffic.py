@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from tpcompile.inspect.chains import layer_of
-from tpcompile.runtime.collectives import COLLECTIVE_FNS, sync_grad_pieces
+from tpcompile.runtime.collectives import COLLECTIVE_FNS, copy_all_to_region, sync_grad_pieces
 from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
 
 __all__ = ["CollectiveEntry", "LayerTraffic", "list_collectives", "megatron_comparison", "nbytes",
@@ -75,12 +75,14 @@ def _message_shape(call: fx.Node, value) -> list:
             whole = concrete_shape(w.meta["val"])
             sizes.append(math.prod(whole) // whole[dim] * sum(e - s for s, e in pieces))
         return [sum(sizes)]
+    if call.target is copy_all_to_region:  # every value's gradient, flattened
+        return [sum(math.prod(concrete_shape(v.meta["val"])) for v in call.args[0])]
     return shape
 
 
 def _input(call: fx.Node) -> fx.Node:
-    """The value a collective call converts (a gradient sync's first weight)."""
-    return call.args[0][0] if call.target is sync_grad_pieces else call.args[0]
+    """The value a collective call converts (a bucketed gradient sync's first value)."""
+    return call.args[0][0] if isinstance(call.args[0], (list, tuple)) else call.args[0]
 
 
 def _layers(trace: RewriteTrace) -> dict[str, str]:

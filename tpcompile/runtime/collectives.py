@@ -18,7 +18,7 @@ import torch
 from tpcompile.errors import CollectiveError
 from tpcompile.runtime.timeouts import collective_failure
 
-__all__ = ["all_reduce", "copy_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
+__all__ = ["all_reduce", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
            "reduce_scatter",
            "COLLECTIVE_FNS", "count_collectives"]
 
@@ -67,6 +67,21 @@ class _CopyToRegion(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+class _CopyAllToRegion(torch.autograd.Function):
+    """f for several values at once (a block's replicated k and v): their gradients' partial
+    sums are reduced in one all-reduce."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        summed = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
+        return (None, *(s.view_as(g) for s, g in zip(summed.split([g.numel() for g in grads]), grads)))
+
+
 class _SyncGradPieces(torch.autograd.Function):
     """f for weights with replicated blocks: only those rows' gradients are partial sums. The
     pieces of several weights (a block's replicated wk and wv) go in one all-reduce."""
@@ -97,6 +112,11 @@ class _SyncGradPieces(torch.autograd.Function):
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Partial -> Replicate (Megatron g)."""
     return _AllReduce.apply(x, group)
+
+
+def copy_all_to_region(xs: list, group: str) -> tuple:
+    """Several replicated values entering sharded regions: one gradient all-reduce for all."""
+    return _CopyAllToRegion.apply(group, *xs)
 
 
 def copy_to_region(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -204,6 +224,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_siz
 COLLECTIVE_FNS = {
     all_reduce: (("all_reduce",), ()),
     copy_to_region: ((), ("all_reduce",)),
+    copy_all_to_region: ((), ("all_reduce",)),
     sync_grad_pieces: ((), ("all_reduce",)),
     all_gather: (("all_gather",), ()),
     gather_into_region: (("all_gather",), ("reduce_scatter",)),
