@@ -729,13 +729,17 @@ def _dim_op(op):
     if other is not None:
         return other
     mapped = _maps(op.node, _shard_of(op, x))
-    if mapped is None:
+    chunk = op.node.target is aten.slice.Tensor and mapped is not None \
+        and mapped.layout != op.placement(x).layout
+    if mapped is None or (chunk and mapped.layout.size < op.specs.world_size):
+        # a chunk too small to split over the ranks would be a replicated block of the root,
+        # which no row-parallel consumer can read: gather before it instead
         op.require(x, Replicate())
         return Replicate()
     # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
     # the planner adds), not when the rewrite asks for the rank's size
     op.check_aligned(mapped.layout)
-    if op.node.target is aten.slice.Tensor and mapped.layout != op.placement(x).layout:
+    if chunk:
         op.require_block(mapped.layout)  # uneven fused chunks (Phi-3's qkv[..., :q_size])
     return mapped
 

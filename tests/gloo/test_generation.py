@@ -80,7 +80,6 @@ def test_four_kv_heads_on_four_ranks_seq_major():
         assert c["collectives"] == [{"all_reduce": 2 * LAYERS}] * 2
 
 
-@pytest.mark.slow
 def test_compiled_decode_matches_eager():
     """torch.compile (inductor) of the prefill and decode steps: the eager module's tokens."""
     for c in run_on_ranks(f"{WORKERS}:compiled_decode", 2):
