@@ -75,7 +75,6 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
     g = gm.graph
     nodes = {n.name: n for n in g.nodes}
     order = {n: i for i, n in enumerate(g.nodes)}
-    consumed = plan.converted
     conv = _Converter(gm, plan, rank, group)
 
     f_of = {}
