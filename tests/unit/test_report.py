@@ -272,3 +272,29 @@ def test_explain_families_the_sweep_found_raising(family):
     layers = [m for m in report.megatron if m.layer]
     assert len(layers) == 2 and all(m.bound_forward == 2 for m in layers), report.megatron
     assert max(report.param_bytes_per_rank) < report.param_bytes_total
+
+
+def test_bucketed_gradient_sync_of_data_dependent_sizes_reports_a_symbolic_message():
+    """Values sized by routing (an expert's token count, unbacked) have no example size: the
+    message shape of their bucketed sync stays symbolic instead of failing explain (JetMoe)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from tpcompile.inspect.traffic import _message_shape
+    from tpcompile.runtime.collectives import copy_all_to_region
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        tokens = env.create_unbacked_symint()
+        k, v = torch.empty(tokens, 8), torch.empty(tokens, 8)
+    g = torch.fx.Graph()
+    nodes = [g.placeholder(name) for name in ("k", "v")]
+    for n, val in zip(nodes, (k, v)):
+        n.meta["val"] = val
+    call = g.call_function(copy_all_to_region, (nodes, "tp"))
+    (shape,) = _message_shape(call, k)
+    assert shape == f"{tokens}*8 + {tokens}*8"
+    static = [torch.empty(4, 8, device="meta"), torch.empty(4, 2, device="meta")]
+    for n, val in zip(nodes, static):
+        n.meta["val"] = val
+    assert _message_shape(call, static[0]) == [40]

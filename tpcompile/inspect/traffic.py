@@ -76,7 +76,10 @@ def _message_shape(call: fx.Node, value) -> list:
             sizes.append(math.prod(whole) // whole[dim] * sum(e - s for s, e in pieces))
         return [sum(sizes)]
     if call.target is copy_all_to_region:  # every value's gradient, flattened
-        return [sum(math.prod(concrete_shape(v.meta["val"])) for v in call.args[0])]
+        shapes = [concrete_shape(v.meta["val"]) for v in call.args[0]]
+        if all(isinstance(d, int) for shp in shapes for d in shp):
+            return [sum(math.prod(shp) for shp in shapes)]
+        return [" + ".join("*".join(map(str, shp)) for shp in shapes)]  # symbolic sizes
     return shape
 
 
