@@ -154,7 +154,10 @@ def _movable(bucket: list, value: fx.Node, order: dict) -> bool:
 
 def _readers_after(bucket: list, order: dict) -> None:
     anchor = max((v for v, _ in bucket), key=order.__getitem__)
-    for n in reversed(_early_readers(bucket, anchor, order)):
+    early = _early_readers(bucket, anchor, order)
+    if not early:
+        return
+    for n in reversed(early):
         anchor.append(n)  # keeps their relative order
     for i, n in enumerate(anchor.graph.nodes):
         order[n] = i

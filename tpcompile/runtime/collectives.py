@@ -67,6 +67,12 @@ class _CopyToRegion(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+def _all_reduce_together(tensors: list, group: str) -> list:
+    """Sum each tensor over the ranks in one all-reduce of them all, flattened."""
+    summed = _all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    return [s.view_as(t) for s, t in zip(summed.split([t.numel() for t in tensors]), tensors)]
+
+
 class _CopyAllToRegion(torch.autograd.Function):
     """f for several values at once (a block's replicated k and v): their gradients' partial
     sums are reduced in one all-reduce."""
@@ -78,8 +84,7 @@ class _CopyAllToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        summed = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
-        return (None, *(s.view_as(g) for s, g in zip(summed.split([g.numel() for g in grads]), grads)))
+        return (None, *_all_reduce_together(list(grads), ctx.group))
 
 
 class _SyncGradPieces(torch.autograd.Function):
@@ -95,14 +100,12 @@ class _SyncGradPieces(torch.autograd.Function):
     def backward(ctx, *grads):
         parts = [g.narrow(dim, s, e - s) for g, dim, pieces in zip(grads, ctx.dims, ctx.pieces)
                  for s, e in pieces]
-        summed = iter(_all_reduce(torch.cat([p.reshape(-1) for p in parts]), ctx.group)
-                      .split([p.numel() for p in parts]))
+        summed = iter(_all_reduce_together(parts, ctx.group))
         out = []
         for g, dim, pieces in zip(grads, ctx.dims, ctx.pieces):
             kept, pos = [], 0
             for s, e in pieces:
-                piece = next(summed).view(g.narrow(dim, s, e - s).shape)
-                kept += [g.narrow(dim, pos, s - pos), piece]
+                kept += [g.narrow(dim, pos, s - pos), next(summed)]
                 pos = e
             kept.append(g.narrow(dim, pos, g.shape[dim] - pos))
             out.append(torch.cat(kept, dim))
