@@ -388,8 +388,8 @@ class EinsumAttention(Attention):
 
 class WholeQKNorm(Attention):
     """OLMo 2 / OLMoE: RMSNorm over the whole q and k projections (every head at once), before
-    the head split. Its mean of squares spans the heads the ranks split: Megatron would
-    all-reduce per-rank sums (one number per token); the planner does not yet (see rules.py)."""
+    the head split. Its mean of squares spans the heads the ranks split: each rank's sum of
+    squares over its heads, all-reduced (one number per token), not a gather of the projection."""
 
     def init_projections(self, linear):
         super().init_projections(linear)
@@ -588,10 +588,11 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("softmax_masked_fill", lambda: LM(attn=MaskedSoftmax), BASELINE),
     # the norms' weights are cut with the features they scale; per norm one forward all-reduce
-    # of its statistic and one backward (the statistic's gradient sums over the cut features)
+    # of its statistic, and backward one for both (each statistic's gradient sums over the cut
+    # features; the two are bucketed)
     ("qk_norm_whole", lambda: LM(attn=WholeQKNorm),
      attention_expect(col=ATTN_COL + _in_layers("attn.q_norm.weight", "attn.k_norm.weight"),
-                      fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=4)),
+                      fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=3)),
     ("swiglu_linear", lambda: LM(), BASELINE),
     ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),

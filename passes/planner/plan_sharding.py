@@ -42,7 +42,7 @@ from tpcompile.passes.planner.rules import (
 )
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
-    Constraints, Propagation, _same, local_slice, propagate, view_chain,
+    SEQUENCE, Constraints, Propagation, _same, local_slice, propagate, view_chain,
 )
 
 log = logging.getLogger(__name__)
@@ -132,15 +132,19 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
     if options.loss_parallel:  # sharded logits handed to the user are an exit too
         exits |= {p.layout.root for a in state.output.all_input_nodes
                   if isinstance(p := _consumed(state, a, state.output), Shard)}
+    reductions = _reductions_by_root(state)
     dead = {}
     for component in nx.connected_components(regions):
         leak = next((leaks[r] for r in sorted(component) if r in leaks), None)
-        if leak is None and component & exits:
+        costly = _statistics_beyond_one_chain(component, reductions) if leak is None else None
+        if leak is None and costly is None and component & exits:
             continue
         users = sorted({u.name for r in component for u in state.root_users.get(r, ())})
         end = next((ends[r] for r in sorted(component) if r in ends), None)
         if leak is not None:
             why = f"sharding it ({', '.join(users)}) would all-gather where {leak}"
+        elif costly is not None:
+            why = f"sharding it ({', '.join(users)}) would {costly}"
         elif end is not None:
             why = f"sharding it ({', '.join(users)}) would all-gather at {end}"
         else:
@@ -150,6 +154,47 @@ def _dead_regions(state: Propagation, options: PlanOptions) -> dict[str, str]:
             dead[root] = why
     dead.update((r, why) for r, why in state.rejected.items() if r not in dead)
     return dead
+
+
+def _reductions_by_root(state: Propagation) -> dict[str, tuple[set, set, set]]:
+    """root -> the partial sums its sharded data is reduced as: (per-token statistics, other
+    sums, sums reduce-scattered into another root's shards)."""
+    out: dict[str, tuple[set, set, set]] = {}
+    for (value, _), dst in state.conversions.items():
+        if not isinstance(state.placements.get(value), Partial) or isinstance(dst, Partial):
+            continue
+        kind = 0 if _statistic(state, value) else (
+            2 if isinstance(dst, Shard) and dst.layout.root != SEQUENCE else 1)
+        for root in _roots_behind(state, value, set()):
+            out.setdefault(root, (set(), set(), set()))[kind].add(value.name)
+    return out
+
+
+def _statistic(state: Propagation, node: fx.Node) -> bool:
+    """A partial sum that is a per-token statistic, or computed from statistics alone."""
+    if node in state.statistics:
+        return True
+    inputs = [a for a in node.all_input_nodes if _is_distributed(state.placements.get(a))]
+    return (isinstance(state.placements.get(node), Partial) and bool(inputs)
+            and all(_statistic(state, a) for a in inputs))
+
+
+def _statistics_beyond_one_chain(component, reductions) -> str | None:
+    """Why a region that all-reduces per-token statistics (a norm over its sharded features)
+    is refused: it is not one Megatron chain, whose output is one partial sum reduced whole
+    (or into sequence shards). A whole-projection q/k norm inside attention costs a number per
+    token; the same norm over a residual stream a lone column projection sharded would cost a
+    sum per layer that reads it, and MLA's low-rank q_a -> norm -> q_b would reduce-scatter
+    q into heads where Megatron keeps q_a whole for free."""
+    stats, sums, onward = (set().union(*(reductions[r][k] for r in component if r in reductions))
+                           for k in range(3))
+    if not stats or (len(sums | onward) <= 1 and not onward):
+        return None
+    return (f"reduce {len(sums | onward)} partial sums ({', '.join(sorted(sums | onward))})"
+            + (f", {', '.join(sorted(onward))} into another region's shards" if onward else "")
+            + f", besides the per-token statistics of {', '.join(sorted(stats))}: a norm over "
+            "sharded features is worth its statistic's all-reduce only inside one chain (one "
+            "partial sum, reduced whole)")
 
 
 def _written_copies(gm: fx.GraphModule, state: Propagation, params) -> dict[str, str]:

@@ -67,6 +67,7 @@ class Propagation:
     links: list[tuple[str, str]] = field(default_factory=list)  # roots that meet in one op
     rejected: dict[str, str] = field(default_factory=dict)      # root -> why a rule refused it
     root_users: dict[str, set] = field(default_factory=dict)    # root -> ops that shard it
+    statistics: set = field(default_factory=set)  # nodes whose partial sum is a per-token statistic
     specs: Specs | None = None
     output: fx.Node | None = None
 
@@ -114,6 +115,10 @@ class OpView:
     def reject(self, root: str, reason: str) -> None:
         """Keep ``root`` whole from the next round on (its region stays otherwise as it is)."""
         self._state.rejected.setdefault(root, reason)
+
+    def mark_statistic(self) -> None:
+        """This op's partial sum is a per-token statistic (see ``_reduce`` in the rule table)."""
+        self._state.statistics.add(self.node)
 
     def overlaps(self, layout: Layout) -> bool:
         return self.specs.overlaps(layout)

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from tpcompile.core.placement import Layout, Partial, Replicate, Shard
+from tpcompile.runtime.partial import mean_term
 from tpcompile.runtime.rng import per_rank_sdpa, sharded_dropout
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import (
@@ -595,27 +596,50 @@ def _require_sdpa_heads(op, q, mask, hq: int, layout: Layout) -> None:
 
 # --------------------------------------------------------------------------- reductions / norms
 
-def _reduce(linear):
+def _reduced_dims(node) -> tuple[list[int], bool]:
+    """The dims a reduction ``op(x, dims, keepdim)`` folds (all of them when none are named)."""
+    n = len(shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else None
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if dims in (None, []):
+        return list(range(n)), keepdim
+    return sorted({norm_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}), keepdim
+
+
+def _reduce(linear, statistic=False):
+    """A reduction over some dims. ``linear``: a shard of a reduced dim gives a partial sum.
+
+    ``statistic``: that partial sum is a per-token statistic (a norm's mean of squares), whose
+    all-reduce the planner accepts only in a region that is otherwise Megatron's
+    (``_dead_regions``): a norm over the residual stream must still end a region."""
     def propagate(op):
         x = op.node.args[0]
         n = len(shape(x))
-        dims = op.node.args[1] if len(op.node.args) > 1 else None
-        keepdim = op.node.args[2] if len(op.node.args) > 2 else op.node.kwargs.get("keepdim", False)
-        reduced = set(range(n)) if dims in (None, []) else {norm_dim(d, n) for d in (
-            dims if isinstance(dims, (list, tuple)) else [dims])}
+        reduced, keepdim = _reduced_dims(op.node)
         out = [d if (d not in reduced or keepdim) else None for d in range(n)]
         labels = [f"r{d}" if d in reduced else d for d in range(n)]
-        return einsum_rule(op, [(x, labels)], [o for o in out if o is not None] if not keepdim
-                           else [d if d not in reduced else f"kept{d}" for d in range(n)], linear)
+        result = einsum_rule(op, [(x, labels)], [o for o in out if o is not None] if not keepdim
+                             else [d if d not in reduced else f"kept{d}" for d in range(n)], linear)
+        if statistic and isinstance(result, Partial):
+            op.mark_statistic()
+        return result
     return propagate
 
 
+def _localize_mean(node, local):
+    """A mean over a sharded dim: this rank's sum over the whole dims' size (its Partial term)."""
+    dims, keepdim = _reduced_dims(node)
+    if not any(local.input_sharded_on(node, d) for d in dims):
+        return
+    whole = math.prod(int(shape(node.args[0])[d]) for d in dims)
+    local.replace_target(node, mean_term, (node.args[0], dims, keepdim, whole, node.kwargs.get("dtype")))
+    node.kwargs = {}
+
+
 register(aten.sum.dim_IntList, aten.sum.default)(_reduce("mul"))
-# a mean over a sharded dim is linear too, but taking it as a partial sum lets regions run
-# through norms over the residual stream (a column wo at 64 ranks sharded every later layer,
-# with an all-reduce per norm): it is gathered until the planner weighs collectives
-register(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
-         aten.var.correction, aten.std.correction, aten.argmax.default)(_reduce(None))
+register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul", statistic=True))
+register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
+         aten.argmax.default)(_reduce(None))
 
 
 def _last_dims_free(count_fn):

@@ -39,6 +39,9 @@ def test_llama_shapes_and_collectives_at_scale(fake_world, ws):
         assert q == 256 // ws
     else:  # 32 heads cannot be split over 64 ranks: attention stays replicated, MLPs sharded
         assert q == 256 and tp.plan.styles()["layers.0.attention.wo.weight"] == "replicate"
+        # a lone column wo would shard the residual stream: every later norm's statistic and
+        # every matmul reading the stream all-reduced. The planner refuses, and says why
+        assert "per-token statistics" in tp.plan.params["layers.0.attention.wo.weight"].reason
     w1 = [tp.plan.params["layers.0.feed_forward.w1.weight"].local_shapes[r][0] for r in range(ws)]
     assert sum(w1) == 688 and max(w1) - min(w1) <= 1  # 688 = 10 * 64 + 48: uneven at 64
     counts = count_collectives(tp.graph_module)

@@ -41,6 +41,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "mqa": (2, 4),                     # 1 kv head, repeat_kv by expand + reshape
     "mqa_sdpa_broadcast": (2, 4),      # 1 kv head broadcast inside SDPA
     "mlp_relu_squared": (2, 4),        # torch.square: ruled by torch's pointwise tag
+    "qk_norm_whole": (2, 4),           # OLMo 2: a norm's statistic over the heads, all-reduced
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.append(str(BENCH))  # after tests/: bench/idioms.py must not shadow tests/idioms.py
 _spec = importlib.util.spec_from_file_location("tpcompile_bench_hf_sweep", BENCH / "hf_sweep.py")
 sweep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sweep)

@@ -110,7 +110,7 @@ def test_placements_are_recorded_per_node():
 
 
 class PartialPlusNumber(nn.Module):
-    """A row-parallel output (a partial sum) plus a number."""
+    """A row-parallel output (a partial sum) plus a number, and a mean over a column shard."""
 
     def __init__(self):
         super().__init__()
@@ -118,15 +118,18 @@ class PartialPlusNumber(nn.Module):
 
     def forward(self, x):
         h = self.up(x)
-        return self.down(h) + 2.0
+        scale = h.mean(-1, keepdim=True) + 1.0  # a per-rank term of the mean, then + 1 once
+        return self.down(h) + 2.0, scale
 
 
 def test_a_number_is_added_to_a_partial_sum_once_after_it_is_reduced():
     cap, plan = plan_model(PartialPlusNumber(), (torch.randn(2, 3, 8),), 2)
     adds = [n.name for n in cap.gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    means = [n.name for n in cap.gm.graph.nodes if n.target is torch.ops.aten.mean.dim]
     assert plan.styles()["up.weight"] == "colwise" and plan.styles()["down.weight"] == "rowwise"
+    assert str(plan.placements[means[0]]) == "P"  # linear in its input: no gather of h
     assert all(str(plan.placements[a]) == "R" for a in adds)
-    assert [c.value for c in all_reduces(plan)] == ["linear_1"]
+    assert sorted(c.value for c in all_reduces(plan)) == ["linear_1", means[0]]
 
 
 class UnruledOps(nn.Module):
