@@ -14,8 +14,9 @@ later reader of the buffer reads the new value. The rule table then sees functio
 block instead of one per expert).
 
 The out-of-place overload of an in-place op comes from torch's own naming relation
-(``aten.index_add_.default`` -> ``aten.index_add.default``); only the views that have a
-scatter inverse (``slice``, ``select``) are written through. Anything else stays in place.
+(``aten.index_add_.default`` -> ``aten.index_add.default``); only the views the rule table
+gives a scatter inverse (``SCATTERS``: ``slice``, ``select``) are written through, and it says
+what a ``copy_`` writes (``value_of_write``). Anything else stays in place.
 """
 
 from __future__ import annotations
@@ -24,15 +25,11 @@ import torch
 from torch import fx
 
 from tpcompile.passes.planner.mutations import aliases, written_args
-from tpcompile.passes.planner.rules import FRESH_BUFFERS
+from tpcompile.passes.planner.rules import FRESH_BUFFERS, SCATTERS, value_of_write
 
 __all__ = ["functionalize_fresh_writes_pass", "out_of_place"]
 
 aten = torch.ops.aten
-
-# a view of the written tensor -> the op that writes a value back through it
-_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default,
-             aten.select.int: aten.select_scatter.default}
 
 
 def out_of_place(target) -> torch._ops.OpOverload | None:
@@ -58,7 +55,7 @@ def _written_through(node: fx.Node, fresh: set[fx.Node]) -> list[fx.Node] | None
     chain = [written[0]]
     while chain[0] not in fresh:
         view = chain[0]
-        if (view.op != "call_function" or view.target not in _SCATTERS
+        if (view.op != "call_function" or view.target not in SCATTERS
                 or len(view.users) != 1 or not isinstance(view.args[0], fx.Node)):
             return None
         chain.insert(0, view.args[0])
@@ -97,26 +94,12 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _written_value(g: fx.Graph, node: fx.Node, functional) -> fx.Node:
-    """What ``node`` leaves in the tensor it writes. ``copy_``'s out-of-place ``aten.copy``
-    has no derivative, so a copy is written as its source cast and broadcast to the view."""
-    if node.target is not aten.copy_.default:
-        return g.call_function(functional, node.args, node.kwargs)
-    view, src = node.args[:2]
-    dtype = view.meta["val"].dtype
-    if src.meta["val"].dtype != dtype:
-        src = g.call_function(aten._to_copy.default, (src,), {"dtype": dtype})
-        src.meta.update(node.meta)
-        src.meta["val"] = node.args[1].meta["val"].to(dtype)
-    return g.call_function(aten.expand_as.default, (src, view))
-
-
 def _write_back(g: fx.Graph, node: fx.Node, functional, chain: list[fx.Node]) -> fx.Node:
     """The out-of-place op on the written view, scattered back through each view to the base."""
-    value = _written_value(g, node, functional)
+    value = value_of_write(g, node, functional)
     value.meta.update(node.meta)
     for view, inner in zip(reversed(chain[1:]), reversed(chain[:-1])):
-        value = g.call_function(_SCATTERS[view.target], (inner, value, *view.args[1:]), view.kwargs)
+        value = g.call_function(SCATTERS[view.target], (inner, value, *view.args[1:]), view.kwargs)
         value.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         value.meta["val"] = inner.meta.get("val")
     return value

@@ -1044,6 +1044,27 @@ FRESH_BUFFERS = frozenset({
     aten.full.default, aten.full_like.default, aten.new_full.default,
     aten.ones.default, aten.ones_like.default, aten.new_ones.default,
 })
+# a view of a fresh buffer an in-place write goes through -> the op that writes a value back
+# through that view (only these are written out of place: functionalize_fresh_writes_pass)
+SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default,
+            aten.select.int: aten.select_scatter.default}
+
+
+def value_of_write(g: fx.Graph, node: fx.Node, functional) -> fx.Node:
+    """New nodes in ``g`` computing what the in-place ``node`` leaves in the tensor it writes;
+    ``functional`` is its out-of-place overload. ``copy_``'s (``aten.copy``) has no
+    derivative, so a copy is its source cast and broadcast to the view instead."""
+    if node.target is not aten.copy_.default:
+        return g.call_function(functional, node.args, node.kwargs)
+    view, src = node.args[:2]
+    dtype = view.meta["val"].dtype
+    if src.meta["val"].dtype != dtype:
+        src = g.call_function(aten._to_copy.default, (src,), {"dtype": dtype})
+        src.meta.update(node.meta)
+        src.meta["val"] = node.args[1].meta["val"].to(dtype)
+    return g.call_function(aten.expand_as.default, (src, view))
+
+
 # fresh buffers whose values are any placement's as they are on every rank: zeros are a
 # partial sum of zeros, and an empty buffer's values are unspecified
 _ANY_PLACEMENT = frozenset({
