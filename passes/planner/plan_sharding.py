@@ -190,11 +190,11 @@ def _statistics_beyond_one_chain(component, reductions) -> str | None:
                            for k in range(3))
     if not stats or (len(sums | onward) <= 1 and not onward):
         return None
-    return (f"reduce {len(sums | onward)} partial sums ({', '.join(sorted(sums | onward))})"
-            + (f", {', '.join(sorted(onward))} into another region's shards" if onward else "")
-            + f", besides the per-token statistics of {', '.join(sorted(stats))}: a norm over "
-            "sharded features is worth its statistic's all-reduce only inside one chain (one "
-            "partial sum, reduced whole)")
+    costs = ([f"all-reduce {len(sums)} partial sums ({', '.join(sorted(sums))})"] if sums else []) + (
+        [f"reduce-scatter {', '.join(sorted(onward))} into another region's shards"] if onward else [])
+    return (f"{' and '.join(costs)} besides the per-token statistics of {', '.join(sorted(stats))}"
+            ": a norm over sharded features is worth its statistic's all-reduce only inside one "
+            "chain (one partial sum, reduced whole)")
 
 
 def _written_copies(gm: fx.GraphModule, state: Propagation, params) -> dict[str, str]:

@@ -641,6 +641,28 @@ register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul
 register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
          aten.argmax.default)(_reduce(None))
 
+# op -> (index of its dim argument, whether the output keeps that dim): ops that return values
+# and indices along one dim
+_ALONG_DIM = {aten.max.dim: (1, False), aten.min.dim: (1, False), aten.topk.default: (2, True),
+              aten.sort.default: (1, True)}
+
+
+@register(*_ALONG_DIM)
+def _values_and_indices(op):
+    """``max(x, dim)``, ``topk``, ``sort``: values and their indices along one dim (attention
+    sinks' ``max`` over keys, routers' ``topk`` over experts). A shard of another dim passes to
+    both outputs; the dim itself is needed whole on every rank."""
+    x = op.node.args[0]
+    n = len(shape(x))
+    index, kept = _ALONG_DIM[op.node.target]
+    dim = op.node.args[index] if len(op.node.args) > index else op.node.kwargs.get("dim", -1)
+    dim = norm_dim(dim, n)
+    if not kept:
+        kept = op.node.args[2] if len(op.node.args) > 2 else op.node.kwargs.get("keepdim", False)
+    out = [d if d != dim else f"o{d}" for d in range(n) if d != dim or kept]
+    p = einsum_rule(op, [(x, [d if d != dim else f"r{d}" for d in range(n)])], out)
+    return [p, p]
+
 
 def _last_dims_free(count_fn):
     """Ops that read whole trailing dims (softmax over dim, layer_norm over normalized_shape)."""
