@@ -449,6 +449,19 @@ class MaskedSoftmax(Attention):
         return F.softmax(att, dim=-1) @ v
 
 
+class BatchHeadsBmm(Attention):
+    """BART / XGLM / fairseq: batch and heads merged into one dim, ``reshape(B * H, T, d)``,
+    attention by ``bmm``, the causal mask added as ``view(B, H, T, T) + mask``, then back."""
+
+    def attend(self, q, k, v, *extra):
+        B, H, T, d = q.shape
+        q, k, v = (t.reshape(B * H, T, d) for t in (q * d ** -0.5, k, v))
+        scores = torch.bmm(q, k.transpose(1, 2))
+        mask = torch.full((T, T), float("-inf"), device=q.device).triu(1)
+        scores = (scores.view(B, H, T, T) + mask).view(B * H, T, T)
+        return torch.bmm(F.softmax(scores, dim=-1), v).view(B, H, T, d)
+
+
 class PaddingMaskLM(LM):
     """Hugging Face: a (B, 1, T, T) boolean mask (causal and not padding) made once per call."""
 
@@ -587,6 +600,7 @@ _REGISTRY = [
     ("gqa_repeat_interleave", lambda: LM(attn=partial(RepeatInterleaveKV, n_kv_heads=4)),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("softmax_masked_fill", lambda: LM(attn=MaskedSoftmax), BASELINE),
+    ("bmm_batch_heads_merged", lambda: LM(attn=BatchHeadsBmm), BASELINE),
     # the norms' weights are cut with the features they scale; per norm one forward all-reduce
     # of its statistic, and backward one for both (each statistic's gradient sums over the cut
     # features; the two are bucketed)
@@ -628,6 +642,7 @@ STYLES = {
     "gqa_repeat_interleave": "GQA 8 q / 4 kv heads by `repeat_interleave` on the head dim",
     "softmax_masked_fill": "nanoGPT explicit attention: `masked_fill` with a tril buffer, softmax, `@ v`",
     "qk_norm_whole": "OLMo 2: RMSNorm over the whole q and k projections, before the head split",
+    "bmm_batch_heads_merged": "BART / XGLM: batch and heads merged, reshape(B * H, T, d) and bmm",
     "swiglu_linear": "SwiGLU with three `nn.Linear` (the baseline)",
     "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
     "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",

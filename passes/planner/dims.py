@@ -16,7 +16,7 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned
 
 __all__ = ["val", "shape", "size_expr", "view_groups", "split_layout", "merge_layout", "sub_layout",
-           "chunk_layout", "norm_dim"]
+           "chunk_layout", "tile_layout", "untile_layout", "norm_dim"]
 
 
 def val(arg):
@@ -124,6 +124,16 @@ def chunk_layout(layout: Layout, chunks: int, size: int, inner: int) -> Layout |
         return None
     return replace(layout, size=size, scale=layout.scale * inner, copies=chunks,
                    period=layout.scale * size * inner)
+
+
+def tile_layout(layout: Layout, outer: int) -> Layout:
+    """The layout of (outer..., sharded) dims merged into one: ``outer`` tiles of the shard."""
+    return replace(layout, size=layout.size * outer, tiles=layout.tiles * outer)
+
+
+def untile_layout(layout: Layout) -> Layout:
+    """The layout of the sharded dim when a tiled dim is viewed as (tiles, sharded)."""
+    return replace(layout, size=layout.size // layout.tiles, tiles=1)
 
 
 def merge_layout(layout: Layout, inner: int) -> Layout:

@@ -30,7 +30,8 @@ from tpcompile.runtime.partial import mean_term
 from tpcompile.runtime.rng import per_rank_sdpa, sharded_dropout
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import (
-    chunk_layout, merge_layout, norm_dim, shape, split_layout, sub_layout, val, view_groups,
+    chunk_layout, merge_layout, norm_dim, shape, split_layout, sub_layout, tile_layout,
+    untile_layout, val, view_groups,
 )
 
 aten = torch.ops.aten
@@ -712,8 +713,8 @@ def _local_shape_arg(index):
 def _map_view(node, p: Shard):
     """Where a reshape puts the sharded dim: kept, split (the shard goes to the leading part,
     or to the second when the leading part is a chunk index picked apart later: a fused qkv
-    viewed as (3, heads, head_dim) and unbound) or merged (the shard must be the leading dim of
-    the merged group); None otherwise."""
+    viewed as (3, heads, head_dim) and unbound), merged (whole dims in front of the shard make
+    tiles: BART's (batch, heads) as batch * heads) or a tiled dim split back; None otherwise."""
     src, dst = shape(node.args[0]), shape(node)
     for gi, gj in view_groups(src, dst) or []:
         if p.dim not in gi:
@@ -724,6 +725,9 @@ def _map_view(node, p: Shard):
             return None
         if len(real_in) == 1 and len(real_out) == 1:
             return Shard(real_out[0], p.layout)
+        if p.layout.tiles > 1:  # only (tiles, sharded) again
+            return Shard(real_out[1], untile_layout(p.layout)) if (
+                len(real_in) == 1 and len(real_out) == 2 and dst[real_out[0]] == p.layout.tiles) else None
         if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
             inner = math.prod(dst[d] for d in real_out[1:])
             lead = real_out[0]
@@ -733,9 +737,12 @@ def _map_view(node, p: Shard):
                 if chunked is not None:
                     return Shard(real_out[1], chunked)
             return Shard(lead, split_layout(p.layout, dst[lead], inner))
-        if len(real_out) == 1 and real_in[0] == p.dim and all(
-                isinstance(src[d], int) for d in real_in[1:]):
-            return Shard(real_out[0], merge_layout(p.layout, math.prod(src[d] for d in real_in[1:])))
+        others = [d for d in real_in if d != p.dim]
+        if len(real_out) == 1 and all(isinstance(src[d], int) for d in others):
+            k = real_in.index(p.dim)
+            outer, inner = (math.prod(src[d] for d in part) for part in (real_in[:k], real_in[k + 1:]))
+            return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer)
+                         if outer > 1 else merge_layout(p.layout, inner))
         return None
     return None
 
@@ -831,10 +838,14 @@ def _map_dim(node, p: Shard):
             return None
         if bounds == (0, p.layout.size):
             return p
-        return Shard(d, sub_layout(p.layout, *bounds)) if p.layout.copies == 1 else None
+        return Shard(d, sub_layout(p.layout, *bounds)) if (
+            p.layout.copies == 1 and p.layout.tiles == 1) else None
     if t is aten.select.int:
         dim = norm_dim(args[1], n_in)
         return None if dim == d else Shard(d - (dim < d), p.layout)
+    if p.layout.tiles > 1 and t in (aten.repeat_interleave.self_int, aten.unflatten.int,
+                                    aten.flatten.using_ints):
+        return None  # the ops below that regroup the sharded dim assume no tiles
     if t is aten.repeat_interleave.self_int:
         dim = norm_dim(args[2], n_in) if len(args) > 2 else None
         if dim != d or not isinstance(args[1], int):
@@ -917,6 +928,9 @@ def _split(op):
     dim = norm_dim(op.node.args[2] if len(op.node.args) > 2 else 0, n)
     if dim != p.dim:
         return [p] * len(outs)
+    if p.layout.tiles > 1:  # chunks of a tiled dim cut across tiles: gathered
+        op.require(x, Replicate())
+        return [Replicate()] * len(outs)
     chunks, start = [], 0
     for o in outs:
         size = int(o.shape[dim])

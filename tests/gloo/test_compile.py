@@ -27,7 +27,9 @@ BLOCKS = "llama"  # with two blocks, at world size 2 only: one compiled body for
 
 @contextlib.contextmanager
 def _inductor_env(tmp_path_factory):
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor")),
+    # one cache for every launch of this module: the 4-rank compiles reuse the 2-rank kernels
+    cache = tmp_path_factory.getbasetemp() / "inductor"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache),
            "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool per rank on 2 cores
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -41,11 +43,50 @@ def _inductor_env(tmp_path_factory):
                 os.environ[k] = v
 
 
+AT_4_IN_CI = ("llama",)  # four ranks compiling on 2 cores is slow: the others run with -m slow
+
+
+def _launch_group(ws: int, name: str) -> tuple[str, ...]:
+    """The models one launch compiles together with ``name`` at world size ``ws``."""
+    if ws == 2:
+        return MODELS
+    return AT_4_IN_CI if name in AT_4_IN_CI else tuple(m for m in MODELS if m not in AT_4_IN_CI)
+
+
+def _models_at():
+    """(ws, name) parameters; the 4-rank compiles outside ``AT_4_IN_CI`` are marked slow."""
+    return [pytest.param(ws, name, id=f"{name}-{ws}",
+                         marks=[pytest.mark.slow] if ws == 4 and name not in AT_4_IN_CI else [])
+            for ws in WORLD_SIZES for name in MODELS]
+
+
+class _Launches(dict):
+    """(world size, models) -> per-rank results, each launched the first time a test asks."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, key):
+        ws, names = key
+        with _inductor_env(self.tmp_path_factory):
+            self[key] = launch("compiled", ws, list(names), DYNAMIC if ws == 2 else None)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    with _inductor_env(tmp_path_factory):
-        return {ws: launch("compiled", ws, list(MODELS), DYNAMIC if ws == 2 else None)
-                for ws in WORLD_SIZES}
+def launches(tmp_path_factory):
+    return _Launches(tmp_path_factory)
+
+
+@pytest.fixture
+def results(launches, request):
+    """{ws: per-rank results} for the test's world size and model (``name`` defaults to the
+    CI group's first model: the dynamic, overlap and graph-break cases ride along)."""
+    callspec = getattr(request.node, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    ws, name = params.get("ws", 2), params.get("name", AT_4_IN_CI[0])
+    return {ws: launches[(ws, _launch_group(ws, name))]}
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +111,7 @@ def _assert_matches_unsharded(c):
     assert worst[1] <= 1e-4, worst
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", _models_at())
 @pytest.mark.parametrize("path", ["tp", "backend"])
 def test_compiled_matches_unsharded_with_training(results, ws, name, path):
     """Outputs, every gradient, and 3 AdamW steps (through the backend: after its first call)."""
@@ -79,8 +119,7 @@ def test_compiled_matches_unsharded_with_training(results, ws, name, path):
         _assert_matches_unsharded(c)
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", _models_at())
 @pytest.mark.parametrize("path", ["tp", "backend"])
 def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name, path):
     """One forward and one backward module; each plan collective is one _c10d_functional call."""
@@ -92,8 +131,7 @@ def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name
         assert c["forward"]  # the plan does communicate
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", _models_at())
 def test_repeated_calls_do_not_recompile(results, ws, name):
     for c in _case(results, ws, f"tp_{name}"):
         err, graphs = c["calls"][(2, 8)]
@@ -117,8 +155,7 @@ def test_overlap_sinks_the_backward_wait_past_weight_gradient_matmuls(results):
         assert set(off["in_flight"]) == {0}, off["in_flight"]
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", _models_at())
 def test_backend_first_call_is_exact_and_leaves_only_shards(results, ws, name):
     for c in _case(results, ws, f"backend_{name}"):
         assert max(c["first_errs"].values()) <= 1e-5, c["first_errs"]

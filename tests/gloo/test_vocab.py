@@ -61,7 +61,7 @@ def test_loss_parallel_returns_local_logits(results, ws):
         assert c["plan"].styles()["output.weight"] == "colwise"
 
 
-@pytest.mark.parametrize("ws", [3, 4])
+@pytest.mark.parametrize("ws", [pytest.param(3, marks=pytest.mark.slow), 4])  # 3: CI time
 def test_dropout(ws):
     for r in launch("dropout", ws):
         explicit, sdpa = r["explicit"], r["sdpa"]

@@ -14,7 +14,9 @@ dimension is viewed as ``(heads, head_dim)``, ``rep`` when grouped-query heads a
 ``copies`` appears when a fused dimension is viewed with its chunk index split off
 (``qkv.view(B, T, 3, heads, head_dim)``): the dimension then indexes within each of ``copies``
 root ranges ``period`` apart, and every rank must hold the same indices of each, which the
-chunks' blocks guarantee (each chunk one block, cut alike).
+chunks' blocks guarantee (each chunk one block, cut alike). ``tiles`` appears when whole dims
+are merged in front of a sharded one (``(batch, heads)`` viewed as ``batch * heads``): the
+dimension is that many tiles, each holding the rank's indices of the sharded one.
 
 Everything here is rank-independent data: one plan describes every rank, and per-rank index
 ranges are computed from it.
@@ -23,7 +25,7 @@ ranges are computed from it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 __all__ = [
@@ -64,6 +66,9 @@ class Layout:
     cover: bool = False
     copies: int = 1
     period: int = 0
+    # the dimension is ``tiles`` whole dims merged in front of the sharded one, each tile the
+    # same indices: (batch, heads) viewed as batch * heads (BART's bmm attention)
+    tiles: int = 1
 
     def covered(self) -> tuple[int, int]:
         """The root indices this dimension spans (in every copy)."""
@@ -72,14 +77,15 @@ class Layout:
     @property
     def span(self) -> int:
         """The root indices one copy spans."""
-        return -(-self.size // self.rep) * self.scale
+        return -(-(self.size // self.tiles) // self.rep) * self.scale
 
     def __str__(self) -> str:
         extra = "".join(
             f"{k}={v}" for k, v in (("+", self.offset), ("*", self.scale), ("rep", self.rep))
             if v != (0 if k == "+" else 1)
         ) + (" cover" if self.cover else "") + (
-            f" x{self.copies}/{self.period}" if self.copies > 1 else "")
+            f" x{self.copies}/{self.period}" if self.copies > 1 else "") + (
+            f" tiles={self.tiles}" if self.tiles > 1 else "")
         return f"{self.root}[{self.size}{' ' + extra if extra else ''}]"
 
 
@@ -210,6 +216,11 @@ class Specs:
         return hit
 
     def _compute(self, layout: Layout) -> tuple[Ranges, ...]:
+        if layout.tiles > 1:  # each tile holds what one untiled dim holds
+            tile = layout.size // layout.tiles
+            one = self.ranges(replace(layout, size=tile, tiles=1))
+            return tuple(merge_ranges((t * tile + s, t * tile + e) for t in range(layout.tiles)
+                                      for s, e in ranges) for ranges in one)
         spec = self.roots[layout.root]
         per_copy = [self._copy(spec, layout, layout.offset + c * layout.period)
                     for c in range(layout.copies)]
