@@ -22,6 +22,19 @@ def launch(function: str, world_size: int, *args, timeout: float = 600.0) -> lis
     return run_on_ranks(f"{WORKERS_PATH}:{function}", world_size, *args, timeout=timeout)
 
 
+class PerWorldSize(dict):
+    """world size -> ``run(world_size)``, run the first time a test asks: a module whose
+    4-rank cases are marked slow launches no 4 ranks in CI."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def __missing__(self, world_size: int):
+        self[world_size] = self.run(world_size)
+        return self[world_size]
+
+
 def cases(results: dict, world_size: int, name) -> list:
     """Every rank's result for case ``name``; a case that raised on a rank fails the test."""
     per_rank = [r[name] for r in results[world_size]]

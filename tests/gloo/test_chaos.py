@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from support import PerWorldSize
 from tpcompile.tools.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist
@@ -58,18 +59,10 @@ PERTURBATIONS = list(dict.fromkeys(p for _, p in EXPECTED))
 WS_PARAMS = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 
-class _Runs(dict):
-    """world size -> per-rank results of the whole matrix, run the first time a test asks."""
-
-    def __missing__(self, ws):
-        self[ws] = run_on_ranks(f"{WORKERS}:chaos", ws, list(MODES), PERTURBATIONS, TIMEOUT_S,
-                                timeout=600)
-        return self[ws]
-
-
 @pytest.fixture(scope="module")
 def runs():
-    out = _Runs()
+    out = PerWorldSize(lambda ws: run_on_ranks(f"{WORKERS}:chaos", ws, list(MODES), PERTURBATIONS,
+                                               TIMEOUT_S, timeout=600))
     if os.environ.get("TPCOMPILE_CHAOS_MATRIX"):
         Path(os.environ["TPCOMPILE_CHAOS_MATRIX"]).write_text(
             _matrix({ws: out[ws] for ws in WORLD_SIZES}))

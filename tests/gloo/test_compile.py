@@ -3,7 +3,8 @@
 One spawn per world size runs every check (``workers.compiled``): a graph costs seconds to
 compile on 2 cores, so the models have one layer of width 32 and each graph compiles once. Path
 1 compiles the static graphs first; the backend later compiles the same graphs with the same
-options and gets them from inductor's FX graph cache (a fresh one per test run).
+options and gets them from inductor's FX graph cache (a fresh one per test run). CI compiles
+at 2 ranks; the 4-rank spawn runs with ``-m slow``.
 Tolerances as in test_numerics: outputs and gradients 1e-5 relative, parameters after 3 AdamW
 steps 1e-4.
 """
@@ -15,11 +16,10 @@ import os
 
 import pytest
 
-from support import launch
+from support import PerWorldSize, launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.compile]
 
-WORLD_SIZES = (2, 4)
 MODELS = ("mlp", "gpt2", "llama")
 DYNAMIC = "llama"  # compiled a second time at world size 2 with marked dims and overlap on
 BLOCKS = "llama"  # with two blocks, at world size 2 only: one compiled body for both
@@ -27,9 +27,8 @@ BLOCKS = "llama"  # with two blocks, at world size 2 only: one compiled body for
 
 @contextlib.contextmanager
 def _inductor_env(tmp_path_factory):
-    # one cache for every launch of this module: the 4-rank compiles reuse the 2-rank kernels
-    cache = tmp_path_factory.getbasetemp() / "inductor"
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache),
+    # one cache for every launch of this module (inductor's FX graph cache serves repeats)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "inductor"),
            "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool per rank on 2 cores
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -43,50 +42,16 @@ def _inductor_env(tmp_path_factory):
                 os.environ[k] = v
 
 
-AT_4_IN_CI = ("llama",)  # four ranks compiling on 2 cores is slow: the others run with -m slow
-
-
-def _launch_group(ws: int, name: str) -> tuple[str, ...]:
-    """The models one launch compiles together with ``name`` at world size ``ws``."""
-    if ws == 2:
-        return MODELS
-    return AT_4_IN_CI if name in AT_4_IN_CI else tuple(m for m in MODELS if m not in AT_4_IN_CI)
-
-
-def _models_at():
-    """(ws, name) parameters; the 4-rank compiles outside ``AT_4_IN_CI`` are marked slow."""
-    return [pytest.param(ws, name, id=f"{name}-{ws}",
-                         marks=[pytest.mark.slow] if ws == 4 and name not in AT_4_IN_CI else [])
-            for ws in WORLD_SIZES for name in MODELS]
-
-
-class _Launches(dict):
-    """(world size, models) -> per-rank results, each launched the first time a test asks."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, key):
-        ws, names = key
-        with _inductor_env(self.tmp_path_factory):
-            self[key] = launch("compiled", ws, list(names), DYNAMIC if ws == 2 else None)
-        return self[key]
+# four ranks compiling on 2 cores takes minutes: the 4-rank cases run with -m slow (CI time)
+WS_PARAMS = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return _Launches(tmp_path_factory)
-
-
-@pytest.fixture
-def results(launches, request):
-    """{ws: per-rank results} for the test's world size and model (``name`` defaults to the
-    CI group's first model: the dynamic, overlap and graph-break cases ride along)."""
-    callspec = getattr(request.node, "callspec", None)
-    params = callspec.params if callspec is not None else {}
-    ws, name = params.get("ws", 2), params.get("name", AT_4_IN_CI[0])
-    return {ws: launches[(ws, _launch_group(ws, name))]}
+def results(tmp_path_factory):
+    def run(ws):
+        with _inductor_env(tmp_path_factory):
+            return launch("compiled", ws, list(MODELS), DYNAMIC if ws == 2 else None)
+    return PerWorldSize(run)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +76,8 @@ def _assert_matches_unsharded(c):
     assert worst[1] <= 1e-4, worst
 
 
-@pytest.mark.parametrize("ws, name", _models_at())
+@pytest.mark.parametrize("ws", WS_PARAMS)
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("path", ["tp", "backend"])
 def test_compiled_matches_unsharded_with_training(results, ws, name, path):
     """Outputs, every gradient, and 3 AdamW steps (through the backend: after its first call)."""
@@ -119,7 +85,8 @@ def test_compiled_matches_unsharded_with_training(results, ws, name, path):
         _assert_matches_unsharded(c)
 
 
-@pytest.mark.parametrize("ws, name", _models_at())
+@pytest.mark.parametrize("ws", WS_PARAMS)
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("path", ["tp", "backend"])
 def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name, path):
     """One forward and one backward module; each plan collective is one _c10d_functional call."""
@@ -131,7 +98,8 @@ def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name
         assert c["forward"]  # the plan does communicate
 
 
-@pytest.mark.parametrize("ws, name", _models_at())
+@pytest.mark.parametrize("ws", WS_PARAMS)
+@pytest.mark.parametrize("name", MODELS)
 def test_repeated_calls_do_not_recompile(results, ws, name):
     for c in _case(results, ws, f"tp_{name}"):
         err, graphs = c["calls"][(2, 8)]
@@ -155,7 +123,8 @@ def test_overlap_sinks_the_backward_wait_past_weight_gradient_matmuls(results):
         assert set(off["in_flight"]) == {0}, off["in_flight"]
 
 
-@pytest.mark.parametrize("ws, name", _models_at())
+@pytest.mark.parametrize("ws", WS_PARAMS)
+@pytest.mark.parametrize("name", MODELS)
 def test_backend_first_call_is_exact_and_leaves_only_shards(results, ws, name):
     for c in _case(results, ws, f"backend_{name}"):
         assert max(c["first_errs"].values()) <= 1e-5, c["first_errs"]
@@ -184,7 +153,7 @@ def test_repeated_blocks_run_one_compiled_body_with_the_planned_collectives(bloc
             assert c["graphs"] == 2
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("ws", WS_PARAMS)
 def test_graph_break_keeps_the_split_chain_replicated_and_says_why(results, ws):
     for c in _case(results, ws, "graph_break"):
         assert max(c["errs"].values()) <= 1e-5, c["errs"]
