@@ -82,6 +82,8 @@ REPRESENTATIVE: tuple[str, ...] = (
     "CohereForCausalLM",     # parallel block with LayerNorm, logit scale
     "OPTForCausalLM",        # learned positions, ReLU MLP with biases
     "MptForCausalLM",        # ALiBi, fused Wqkv (the Bloom-style block that captures)
+    "Olmo2ForCausalLM",      # RMSNorm over whole q/k projections: its statistic all-reduced
+    "DeepseekV3ForCausalLM",  # MLA (q_a / kv_a whole, q_b / kv_b column) and MoE experts
 )
 
 # Observed between runs of the same sweep, not in one row: numerics on gloo ranks raised
