@@ -519,7 +519,7 @@ def _float32_rounding(name: str, mode: str) -> float:
 
     import torch
 
-    from tpcompile.tools.numerics import _loss, rel_err
+    from tpcompile.tools.numerics import _loss, grad_errors
 
     model, ids = build(name, mode), example_ids()
 
@@ -528,9 +528,7 @@ def _float32_rounding(name: str, mode: str) -> float:
         _loss(m(ids)).backward()
         return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
-    low, high = grads(torch.float32), grads(torch.float64)
-    floor = 1e-3 * max(g.abs().max().item() for g in high.values())
-    return max(rel_err(low[n], g, floor) for n, g in high.items())
+    return max(grad_errors(grads(torch.float32), grads(torch.float64)).values())
 
 
 def _numerics_on_ranks(name: str, mode: str, double: bool = False) -> dict:

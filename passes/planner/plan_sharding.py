@@ -188,7 +188,7 @@ def _statistics_beyond_one_chain(component, reductions) -> str | None:
     q into heads where Megatron keeps q_a whole for free."""
     stats, sums, onward = (set().union(*(reductions[r][k] for r in component if r in reductions))
                            for k in range(3))
-    if not stats or (len(sums | onward) <= 1 and not onward):
+    if not stats or (len(sums) <= 1 and not onward):
         return None
     costs = ([f"all-reduce {len(sums)} partial sums ({', '.join(sorted(sums))})"] if sums else []) + (
         [f"reduce-scatter {', '.join(sorted(onward))} into another region's shards"] if onward else [])

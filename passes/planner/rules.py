@@ -741,8 +741,7 @@ def _map_view(node, p: Shard):
         if len(real_out) == 1 and all(isinstance(src[d], int) for d in others):
             k = real_in.index(p.dim)
             outer, inner = (math.prod(src[d] for d in part) for part in (real_in[:k], real_in[k + 1:]))
-            return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer)
-                         if outer > 1 else merge_layout(p.layout, inner))
+            return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer))
         return None
     return None
 

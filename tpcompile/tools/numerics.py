@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from tpcompile.runtime.collectives import count_collectives
 
-__all__ = ["Comparison", "compare", "rel_err", "saved_activation_bytes"]
+__all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_bytes"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -24,6 +24,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     a, b = a.detach().double(), b.detach().double()
     scale = max(b.abs().max().item() if b.numel() else 0.0, floor)
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def grad_errors(grads: dict, reference: dict) -> dict[str, float]:
+    """Relative error of each gradient in ``reference`` (name -> tensor). A gradient that is zero
+    in exact arithmetic (a key bias: softmax is shift-invariant) is measured against 1e-3 of the
+    model's largest gradient instead of its own rounding noise."""
+    floor = 1e-3 * max(g.abs().max().item() for g in reference.values())
+    return {n: rel_err(grads[n], g, floor) for n, g in reference.items()}
 
 
 def _first(out) -> torch.Tensor:
@@ -75,10 +83,7 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
     _loss(out).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     grads = tp.full_grads()
-    # a gradient that is zero in exact arithmetic (a key bias: softmax is shift-invariant) is
-    # measured against 1e-3 of the model's largest gradient instead of its own rounding noise
-    floor = 1e-3 * max(g.abs().max().item() for g in ref_grads.values())
-    grad_errs = {n: rel_err(grads[n], g, floor) for n, g in ref_grads.items()}
+    grad_errs = grad_errors(grads, ref_grads)
     missing = set(ref_grads) - set(grads)
     if missing:
         raise AssertionError(f"parameters with a reference gradient but none sharded: {sorted(missing)}")
