@@ -22,17 +22,17 @@ def launch(function: str, world_size: int, *args, timeout: float = 600.0) -> lis
     return run_on_ranks(f"{WORKERS_PATH}:{function}", world_size, *args, timeout=timeout)
 
 
-class PerWorldSize(dict):
-    """world size -> ``run(world_size)``, run the first time a test asks: a module whose
-    4-rank cases are marked slow launches no 4 ranks in CI."""
+class LaunchedOnDemand(dict):
+    """key (a world size, or what one launch covers) -> ``run(key)``, run the first time a
+    test asks: a launch whose tests are all marked slow does not run in CI."""
 
     def __init__(self, run):
         super().__init__()
         self.run = run
 
-    def __missing__(self, world_size: int):
-        self[world_size] = self.run(world_size)
-        return self[world_size]
+    def __missing__(self, key):
+        self[key] = self.run(key)
+        return self[key]
 
 
 def cases(results: dict, world_size: int, name) -> list:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import PerWorldSize
+from support import LaunchedOnDemand
 from tpcompile.tools.launch import run_on_ranks
 
 pytestmark = pytest.mark.dist
@@ -61,8 +61,8 @@ WS_PARAMS = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 @pytest.fixture(scope="module")
 def runs():
-    out = PerWorldSize(lambda ws: run_on_ranks(f"{WORKERS}:chaos", ws, list(MODES), PERTURBATIONS,
-                                               TIMEOUT_S, timeout=600))
+    out = LaunchedOnDemand(lambda ws: run_on_ranks(f"{WORKERS}:chaos", ws, list(MODES),
+                                                   PERTURBATIONS, TIMEOUT_S, timeout=600))
     if os.environ.get("TPCOMPILE_CHAOS_MATRIX"):
         Path(os.environ["TPCOMPILE_CHAOS_MATRIX"]).write_text(
             _matrix({ws: out[ws] for ws in WORLD_SIZES}))

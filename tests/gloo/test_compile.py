@@ -4,7 +4,8 @@ One spawn per world size runs every check (``workers.compiled``): a graph costs 
 compile on 2 cores, so the models have one layer of width 32 and each graph compiles once. Path
 1 compiles the static graphs first; the backend later compiles the same graphs with the same
 options and gets them from inductor's FX graph cache (a fresh one per test run). CI compiles
-at 2 ranks; the 4-rank spawn runs with ``-m slow``.
+Llama at 2 ranks (the dynamic, overlap and repeated-block checks too); the MLP and
+GPT-2, and every model at 4 ranks, compile in launches of their own with ``-m slow``.
 Tolerances as in test_numerics: outputs and gradients 1e-5 relative, parameters after 3 AdamW
 steps 1e-4.
 """
@@ -16,7 +17,7 @@ import os
 
 import pytest
 
-from support import PerWorldSize, launch
+from support import LaunchedOnDemand, launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.compile]
 
@@ -42,27 +43,45 @@ def _inductor_env(tmp_path_factory):
                 os.environ[k] = v
 
 
-# four ranks compiling on 2 cores takes minutes: the 4-rank cases run with -m slow (CI time)
+# a graph compiles in tens of seconds on 2 cores: CI compiles one model at 2 ranks
+IN_CI = ("llama",)
 WS_PARAMS = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+def _in_ci(ws: int, name: str) -> bool:
+    return ws == 2 and name in IN_CI
+
+
+WS_MODEL_PARAMS = [pytest.param(ws, name, marks=() if _in_ci(ws, name) else pytest.mark.slow)
+                   for ws in (2, 4) for name in MODELS]
+
+
+def _launch_of(ws: int, name: str) -> tuple:
+    """The launch that compiles ``name`` at ``ws`` ranks: CI's, or the slow rest's."""
+    return ws, tuple(m for m in MODELS if _in_ci(ws, m) == _in_ci(ws, name))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    def run(ws):
+    def run(key):
+        ws, names = key
         with _inductor_env(tmp_path_factory):
-            return launch("compiled", ws, list(MODELS), DYNAMIC if ws == 2 else None)
-    return PerWorldSize(run)
+            return launch("compiled", ws, list(names), DYNAMIC if DYNAMIC in names and ws == 2 else None)
+    return LaunchedOnDemand(run)
 
 
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory):
-    """A launch of its own (its own timeout): two compiles of a two-block model."""
-    with _inductor_env(tmp_path_factory):
-        return {2: launch("compiled_blocks", 2, BLOCKS)}
+    """Launches of their own (their own timeout): a two-block model compiled by path 1 (CI),
+    and by the backend (-m slow)."""
+    def run(path):
+        with _inductor_env(tmp_path_factory):
+            return launch("compiled_blocks", 2, BLOCKS, [path])
+    return LaunchedOnDemand(run)
 
 
-def _case(results, ws, key):
-    cases = [r[key] for r in results[ws]]
+def _case(per_rank, key):
+    cases = [r[key] for r in per_rank]
     for c in cases:
         assert "error" not in c, c["error"]
     return cases
@@ -76,21 +95,19 @@ def _assert_matches_unsharded(c):
     assert worst[1] <= 1e-4, worst
 
 
-@pytest.mark.parametrize("ws", WS_PARAMS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", WS_MODEL_PARAMS)
 @pytest.mark.parametrize("path", ["tp", "backend"])
 def test_compiled_matches_unsharded_with_training(results, ws, name, path):
     """Outputs, every gradient, and 3 AdamW steps (through the backend: after its first call)."""
-    for c in _case(results, ws, f"{path}_{name}"):
+    for c in _case(results[_launch_of(ws, name)], f"{path}_{name}"):
         _assert_matches_unsharded(c)
 
 
-@pytest.mark.parametrize("ws", WS_PARAMS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", WS_MODEL_PARAMS)
 @pytest.mark.parametrize("path", ["tp", "backend"])
 def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name, path):
     """One forward and one backward module; each plan collective is one _c10d_functional call."""
-    for c in _case(results, ws, f"{path}_{name}"):
+    for c in _case(results[_launch_of(ws, name)], f"{path}_{name}"):
         assert c["n_codes"] == 2
         assert c["region_bodies"] == [{}, {}]  # one block: nothing to share, the graph is flat
         assert c["forward"] == c["planned"]["forward"]
@@ -98,16 +115,15 @@ def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name
         assert c["forward"]  # the plan does communicate
 
 
-@pytest.mark.parametrize("ws", WS_PARAMS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", WS_MODEL_PARAMS)
 def test_repeated_calls_do_not_recompile(results, ws, name):
-    for c in _case(results, ws, f"tp_{name}"):
+    for c in _case(results[_launch_of(ws, name)], f"tp_{name}"):
         err, graphs = c["calls"][(2, 8)]
         assert graphs == 0 and err <= 1e-5
 
 
 def test_marked_dynamic_dims_reuse_one_graph_for_other_batch_and_sequence_sizes(results):
-    for c in _case(results, 2, "tp_dynamic"):
+    for c in _case(results[_launch_of(2, DYNAMIC)], "tp_dynamic"):
         _assert_matches_unsharded(c)
         for (batch, seq), (err, graphs) in c["calls"].items():
             assert err <= 1e-5, (batch, seq)
@@ -118,15 +134,15 @@ def test_marked_dynamic_dims_reuse_one_graph_for_other_batch_and_sequence_sizes(
 def test_overlap_sinks_the_backward_wait_past_weight_gradient_matmuls(results):
     """Same model and world size: with the reorder passes a backward all-reduce stays in flight
     while weight-gradient matmuls run; without them every wait follows its collective."""
-    for on, off in zip(_case(results, 2, "tp_dynamic"), _case(results, 2, f"tp_{DYNAMIC}")):
+    per_rank = results[_launch_of(2, DYNAMIC)]
+    for on, off in zip(_case(per_rank, "tp_dynamic"), _case(per_rank, f"tp_{DYNAMIC}")):
         assert max(on["in_flight"]) >= 1, on["in_flight"]
         assert set(off["in_flight"]) == {0}, off["in_flight"]
 
 
-@pytest.mark.parametrize("ws", WS_PARAMS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ws, name", WS_MODEL_PARAMS)
 def test_backend_first_call_is_exact_and_leaves_only_shards(results, ws, name):
-    for c in _case(results, ws, f"backend_{name}"):
+    for c in _case(results[_launch_of(ws, name)], f"backend_{name}"):
         assert max(c["first_errs"].values()) <= 1e-5, c["first_errs"]
         assert c["param_bytes"] == c["planned_bytes"] < c["full_bytes"]
         assert c["originals_alive"] == 0  # the full tensors were released
@@ -135,11 +151,11 @@ def test_backend_first_call_is_exact_and_leaves_only_shards(results, ws, name):
         assert "build the optimizer after that call" in c["stale_optimizer"]
 
 
-@pytest.mark.parametrize("path", ["tp", "backend"])
+@pytest.mark.parametrize("path", ["tp", pytest.param("backend", marks=pytest.mark.slow)])
 def test_repeated_blocks_run_one_compiled_body_with_the_planned_collectives(blocks, path):
     """Two identical blocks: the forward and the backward module each define one region body
     and call it twice; its collectives, counted per call, are the plan's; numerics as flat."""
-    for c in _case(blocks, 2, path):
+    for c in _case(blocks[path], path):
         _assert_matches_unsharded(c)
         assert c["n_codes"] == 2
         assert [list(bodies.values()) for bodies in c["region_bodies"]] == [[2], [2]]
@@ -155,7 +171,7 @@ def test_repeated_blocks_run_one_compiled_body_with_the_planned_collectives(bloc
 
 @pytest.mark.parametrize("ws", WS_PARAMS)
 def test_graph_break_keeps_the_split_chain_replicated_and_says_why(results, ws):
-    for c in _case(results, ws, "graph_break"):
+    for c in _case(results[_launch_of(ws, IN_CI[0])], "graph_break"):
         assert max(c["errs"].values()) <= 1e-5, c["errs"]
         assert c["shapes_kept"] and not c["parallelized"]
         (report,) = c["report"]

@@ -22,7 +22,7 @@ from tpcompile.tools.launch import run_on_ranks
 pytestmark = pytest.mark.dist
 
 WORKERS = str(Path(__file__).parent / "reliability_workers.py")
-SEED, EXAMPLES = 2025, 12
+SEED, EXAMPLES = 2025, 8
 WORLD_SIZES = (2, 3, 4)
 CATALOGUE_AT = (2, 4)
 F64_TOL, F32_TOL = 1e-9, 1e-5

@@ -24,8 +24,9 @@ BIG = {"dim": 1024, "hidden": 4096, "n_layers": 4}  # 128 MiB of fp32 weights; 3
 MiB = 2**20
 
 
-def _launch(function: str, world_size: int, *args) -> list:
-    return run_on_ranks(f"{BODIES}:{function}", world_size, *args, timeout=300)
+def _launch(function: str, world_size: int, *args, fresh_interpreter=False) -> list:
+    return run_on_ranks(f"{BODIES}:{function}", world_size, *args, timeout=300,
+                        fresh_interpreter=fresh_interpreter)
 
 
 def _ok(result: dict) -> dict:
@@ -44,7 +45,8 @@ def four(tmp_path_factory):
     # later freed tensors in the heap, so the peak RSS would count a freed module or not by luck
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     try:
-        return _launch("memory_and_checkpoints", 4, str(tmp), big, BIG)
+        # read when a process starts: a forked rank would keep its server's malloc settings
+        return _launch("memory_and_checkpoints", 4, str(tmp), big, BIG, fresh_interpreter=True)
     finally:
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
 

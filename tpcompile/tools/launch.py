@@ -3,7 +3,9 @@
 Production jobs use ``torchrun``; this exists so that ``tpcompile demo`` and the tests need no
 launcher knowledge. Ranks rendezvous through a temporary file (no port races), run with one
 intra-op thread each (the CI machine has 2 cores), and every rank's return value or traceback
-comes back to the caller. A rank that hangs is killed after ``timeout`` seconds and reported,
+comes back to the caller. Ranks fork from a server process that imported torch once (the
+``forkserver`` start method), which saves each launch seconds of imports per rank; they get
+the caller's environment as it is at the launch, as spawned processes would. A rank that hangs is killed after ``timeout`` seconds and reported,
 never waited on forever.
 """
 
@@ -40,7 +42,9 @@ def _resolve(target: str):
     return getattr(module, name)
 
 
-def _child(rank, world_size, store_path, target, args, results, timeout):
+def _child(rank, world_size, store_path, target, args, results, timeout, env):
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -57,16 +61,29 @@ def _child(rank, world_size, store_path, target, args, results, timeout):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(target: str, world_size: int, *args, timeout: float = 600.0) -> list:
+def _context(fresh_interpreter: bool):
+    if fresh_interpreter:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def run_on_ranks(target: str, world_size: int, *args, timeout: float = 600.0,
+                 fresh_interpreter: bool = False) -> list:
     """Call ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; per-rank results.
 
     ``target`` is 'pkg.module:function' or '/path/file.py:function' (so test files work too).
+    ``fresh_interpreter``: start each rank as a new Python process (``spawn``), for settings
+    read only when a process starts (glibc's ``MALLOC_*`` variables).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh_interpreter)
     results = ctx.Queue()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(r, world_size, store, target, args, results, timeout))
+        procs = [ctx.Process(target=_child,
+                             args=(r, world_size, store, target, args, results, timeout, env))
                  for r in range(world_size)]
         for p in procs:
             p.start()
