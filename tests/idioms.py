@@ -479,6 +479,39 @@ class MaskedSDPA(Attention):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class SelectiveScan(nn.Module):
+    """Mamba in the attention's place: in_proj to (x, z), a depthwise causal ``conv1d`` over
+    channels, ``x_proj`` split into (dt, B, C), ``dt_proj``, the selective scan, gated,
+    ``out_proj``. The scan is the masked segment-sum form of Mamba-2's ``ssd_minimal``
+    (``exp(cumsum)`` differences under a causal mask) rather than a loop over time steps
+    (Hugging Face's reference path), so sizes stay dynamic."""
+
+    def __init__(self, d_inner: int = HIDDEN, d_state: int = 8, dt_rank: int = 8, kernel: int = 4):
+        super().__init__()
+        self.in_proj = nn.Linear(D, 2 * d_inner, bias=False)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, kernel, groups=d_inner, padding=kernel - 1)
+        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, d_inner)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1).float()).repeat(d_inner, 1))
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, D, bias=False)
+        self.sizes = [dt_rank, d_state, d_state]
+
+    def forward(self, hidden):
+        T = hidden.shape[1]
+        x, z = self.in_proj(hidden).transpose(1, 2).chunk(2, dim=1)  # (B, d_inner, T) each
+        x = F.silu(self.conv1d(x)[..., :T])
+        dt, b, c = torch.split(self.x_proj(x.transpose(1, 2)), self.sizes, dim=-1)
+        dt = F.softplus(self.dt_proj(dt)).transpose(1, 2)  # (B, d_inner, T)
+        log_decay = (-torch.exp(self.A_log))[None, :, None, :] * dt[..., None]  # (B, d, T, n)
+        cum = torch.cumsum(log_decay, dim=2)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        gaps = (cum[:, :, :, None] - cum[:, :, None]).masked_fill(~causal[:, :, None], -math.inf)
+        states = torch.einsum("bdtsn,bdsn->bdtn", gaps.exp(), (dt * x)[..., None] * b[:, None])
+        y = torch.einsum("bdtn,btn->bdt", states, c) + x * self.D[None, :, None]
+        return self.out_proj((y * F.silu(z)).transpose(1, 2))
+
+
 # ----------------------------------------------------------------- MLPs
 
 class RawParamSwiGLU(nn.Module):
@@ -608,6 +641,13 @@ _REGISTRY = [
      attention_expect(col=ATTN_COL + _in_layers("attn.q_norm.weight", "attn.k_norm.weight"),
                       fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=3)),
     ("swiglu_linear", lambda: LM(), BASELINE),
+    # channels cut from in_proj through the conv, the scan and D to out_proj; x_proj's (dt, B, C)
+    # are a partial sum over channels, all-reduced once (forward), as is their gradient
+    ("mamba_selective_scan", lambda: LM(attn=SelectiveScan),
+     attention_expect(col=_in_layers("attn.in_proj.weight", "attn.conv1d.*", "attn.dt_proj.*",
+                                     "attn.A_log", "attn.D"),
+                      row=_in_layers("attn.x_proj.weight", "attn.out_proj.weight"),
+                      fwd_allreduce_per_layer=3, bwd_allreduce_per_layer=3)),
     ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),
     ("mlp_relu_squared", lambda: LM(mlp=ReluSquaredMLP),
@@ -644,6 +684,7 @@ STYLES = {
     "qk_norm_whole": "OLMo 2: RMSNorm over the whole q and k projections, before the head split",
     "bmm_batch_heads_merged": "BART / XGLM: batch and heads merged, reshape(B * H, T, d) and bmm",
     "swiglu_linear": "SwiGLU with three `nn.Linear` (the baseline)",
+    "mamba_selective_scan": "Mamba mixer: depthwise causal `conv1d`, `x_proj` split into dt / B / C, segment-sum scan",
     "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
     "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",
     "swiglu_fused_gate_up": "one `gate_up_proj` Linear, `chunk(2, -1)`",

@@ -15,9 +15,11 @@
 3. *Tied tables*: a weight sharded by a column-parallel LM head that an embedding also reads
    makes that embedding vocabulary-parallel too, so the table is sharded once. *Early
    reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
+4. *Reductions in pieces*: a partial sum split, sliced or cast into pieces that are reduced
+   one by one is reduced once where it is made.
 
 Refinements that change propagation (1, 3) are settled before regions are judged (2), since
-a killed root stays killed.
+a killed root stays killed; 4 merges reductions only of regions that stand as written.
 
 Then parameters whose every use wants the same shard are sharded themselves (instead of being
 sliced at each use), and replicated values whose gradient arrives as per-rank partial sums are
@@ -38,11 +40,11 @@ from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import (
-    FRESH_BUFFERS, LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, rule_for,
+    FRESH_BUFFERS, LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, shard_map,
 )
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
-    SEQUENCE, Constraints, Propagation, _same, local_slice, propagate, view_chain,
+    SEQUENCE, Constraints, Propagation, _same, carrier_chain, local_slice, propagate, view_chain,
 )
 
 log = logging.getLogger(__name__)
@@ -76,9 +78,15 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         dead = _dead_regions(state, options)
         dead.update((r, why) for r, why in _written_copies(gm, state, cap.params).items() if r not in dead)
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
-        if not dead:
+        if dead:
+            constraints.killed.update(dead)
+            continue
+        # regions are judged on the reductions their code pays; the ones that stand then
+        # reduce each partial sum once rather than in pieces
+        pieces = _partials_reduced_in_pieces(state) - constraints.reduce_early
+        if not pieces:
             break
-        constraints.killed.update(dead)
+        constraints.reduce_early |= pieces
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     plan = _freeze(cap, state, constraints, world_size)
@@ -269,6 +277,48 @@ def _mixed_partials(state: Propagation) -> set[str]:
     return out
 
 
+def _partials_reduced_in_pieces(state: Propagation) -> set[str]:
+    """Partial sums that ops linear in them carry on (splits, slices, matmuls, casts) until
+    several consumers each reduce their own piece (all-reduce or reduce-scatter).
+
+    Mamba's ``x_proj`` output is split into dt, B and C; C is sliced once per time step, and dt
+    runs through ``dt_proj`` before it meets the channel shards: one all-reduce where the sum
+    is made serves every piece (and lets ``dt_proj`` be column-parallel), instead of one
+    collective per piece.
+    """
+    below: dict[fx.Node, int | None] = {}
+
+    def reductions(node: fx.Node) -> int | None:
+        """Reductions of ``node``'s partial sum downstream; None if a piece leaves otherwise."""
+        if node not in below:
+            total = 0
+            for user in node.users:
+                read = _consumed(state, node, user)
+                if isinstance(read, (Replicate, Shard)):
+                    total += 1
+                    continue
+                more = reductions(user) if _partial(read) and _partial(state.placements.get(user)) else None
+                if more is None:
+                    total = None
+                    break
+                total += more
+            below[node] = total
+        return below[node]
+
+    def reduced_in_pieces(node: fx.Node) -> bool:
+        return _partial(state.placements.get(node)) and (reductions(node) or 0) >= 2
+
+    return {n.name for n, p in state.placements.items() if isinstance(p, Partial) and reduced_in_pieces(n)
+            and not any(reduced_in_pieces(a) for a in n.all_input_nodes)}
+
+
+def _partial(p) -> bool:
+    """A partial sum, or a multi-output op's list of them (a split of one)."""
+    if isinstance(p, (list, tuple)):
+        return bool(p) and all(_partial(x) for x in p)
+    return isinstance(p, Partial)
+
+
 def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
     """Roots whose weight an embedding still reads whole: that embedding should shard it too."""
     out = set()
@@ -322,14 +372,15 @@ def _is_distributed(p) -> bool:
 def _absorb_params(gm, state: Propagation) -> None:
     """A weight every use wants sharded the same way is stored sharded; no slicing at use.
 
-    A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) is stored sharded on the
-    dim its views carry to the shard its use wants: the rule table maps each view's dims.
+    A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) or elementwise ops
+    (Mamba's ``-exp(A_log)``) is stored sharded on the dim they carry to the shard its use
+    wants: the rule table maps each op's dims.
     """
     specs = state.specs
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users:
             continue
-        chain = view_chain(node)
+        chain = carrier_chain(node)
         end = chain[-1]
         wanted = [state.conversions.get((end, u)) for u in end.users]
         first = wanted[0]
@@ -351,7 +402,7 @@ def _pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | No
     for dim in range(len(shape(chain[0]))):
         placements = [Shard(dim, wanted.layout)]
         for view in chain[1:]:
-            mapped = rule_for(view).maps(view, placements[-1])
+            mapped = shard_map(view)(view, placements[-1])
             if mapped is None:
                 break
             placements.append(mapped)

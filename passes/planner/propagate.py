@@ -25,12 +25,12 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.rules import is_view, rule_for
+from tpcompile.passes.planner.rules import is_view, rule_for, shard_map
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "local_slice",
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain", "local_slice",
            "NO_RULE"]
 
 NO_RULE = "tp_no_rule"  # node.meta key: an op with no rule met a sharded or partial input
@@ -255,6 +255,19 @@ def view_chain(node: fx.Node) -> list[fx.Node]:
     while len(chain[-1].users) == 1:
         user = next(iter(chain[-1].users))
         if not is_view(user) or user.args[0] is not chain[-1]:
+            break
+        chain.append(user)
+    return chain
+
+
+def carrier_chain(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the ops it alone feeds that carry a shard of it whole (views, elementwise
+    ops: ``A_log -> float -> exp -> neg``): a weight at its head can be stored sharded and the
+    shard carried down, instead of each rank slicing the chain's end."""
+    chain = [node]
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        if shard_map(user) is None or user.args[0] is not chain[-1]:
             break
         chain.append(user)
     return chain

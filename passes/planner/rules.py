@@ -36,7 +36,7 @@ from tpcompile.passes.planner.dims import (
 
 aten = torch.ops.aten
 
-__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "rule_for",
+__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "shard_map", "rule_for",
            "rule_for_target", "einsum_rule", "cache_behind"]
 
 
@@ -44,10 +44,13 @@ __all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "i
 class Rule:
     """``maps(node, shard)``: for ops that only move, split or merge dims (views), where a
     shard of the input lands in the output (None: it is cut up). The planner uses it to store
-    a parameter sharded when only a view of it (``w.t()``, ``w.view(...)``) meets a matmul."""
+    a parameter sharded when only a view of it (``w.t()``, ``w.view(...)``) meets a matmul.
+    ``elementwise``: each output element depends on its own input element alone (and no
+    random draw), so slicing commutes with the op."""
     propagate: Callable
     localize: Callable | None = None
     maps: Callable | None = None
+    elementwise: bool = False
 
 
 RULES: dict = {}
@@ -56,10 +59,10 @@ LOOKUPS = frozenset({aten.embedding.default})  # read a table's rows by index (v
 OUT_FEATURES_FIRST = frozenset({aten.linear.default})  # weight (out, in): a column cut splits dim 0
 
 
-def register(*targets, localize=None, maps=None, matmul=False):
+def register(*targets, localize=None, maps=None, matmul=False, elementwise=False):
     def deco(fn):
         for t in targets:
-            RULES[t] = Rule(fn, localize, maps)
+            RULES[t] = Rule(fn, localize, maps, elementwise)
             if matmul:
                 PARAM_MATMULS.add(t)
         return fn
@@ -70,6 +73,20 @@ def is_view(node: fx.Node) -> bool:
     """An op that only moves, splits or merges dims of its first input (its rule ``maps``)."""
     rule = rule_for(node)
     return rule is not None and rule.maps is not None and bool(node.args)
+
+
+def shard_map(node: fx.Node) -> Callable | None:
+    """Where a shard of ``node``'s first input lands in its output, for ops that carry it whole:
+    views (their ``maps``) and elementwise ops of one tensor that keep its shape (the shard
+    stays where it is). None for every other op."""
+    rule = rule_for(node)
+    if rule is None or not node.args:
+        return None
+    if rule.maps is not None:
+        return rule.maps
+    if rule.elementwise and len(_tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
+        return lambda node, shard: shard
+    return None
 
 
 def rule_for(node: fx.Node) -> Rule | None:
@@ -218,11 +235,13 @@ POINTWISE = [
     aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
 ]
-register(*UNARY_LINEAR)(_pointwise("unary"))
-_TAGGED_POINTWISE = Rule(_pointwise(None))  # rule_for_target: ops torch tags pointwise
+register(*UNARY_LINEAR, elementwise=True)(_pointwise("unary"))
+# rule_for_target: ops torch tags pointwise (and not random)
+_TAGGED_POINTWISE = Rule(_pointwise(None), elementwise=True)
 
 
-@register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
+@register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
+          elementwise=True)
 def _cast(op):
     """A cast is linear into a floating (or complex) dtype; into integers or bool it rounds,
     so a partial sum is reduced first. Only ``args[0]`` is data (``type_as``'s other operand
@@ -243,9 +262,9 @@ def _localize_dropout(node, local):
 
 
 register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
-register(*POINTWISE)(_pointwise(None))
-register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)(_pointwise("add"))
-register(aten.mul.Tensor, operator.mul)(_pointwise("mul"))
+register(*POINTWISE, elementwise=True)(_pointwise(None))
+register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub, elementwise=True)(_pointwise("add"))
+register(aten.mul.Tensor, operator.mul, elementwise=True)(_pointwise("mul"))
 
 
 @register(aten.div.Tensor, operator.truediv)
@@ -486,6 +505,61 @@ def _grouped_mm(op):
     return einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
 
 
+# where each convolution overload takes ``groups``
+_CONV_GROUPS_ARG = {aten.convolution.default: 8, aten.conv1d.default: 6, aten.conv1d.padding: 6,
+                    aten.conv2d.default: 6, aten.conv2d.padding: 6, aten.conv3d.default: 6}
+
+
+def _conv_groups(node: fx.Node) -> int:
+    i = _CONV_GROUPS_ARG[node.target]
+    return node.args[i] if len(node.args) > i else node.kwargs.get("groups", 1)
+
+
+def _conv_channel_dim(node: fx.Node) -> int:
+    """The channel dim of the input: weights are (out, in / groups, *kernel), inputs
+    ((batch,) channels, *spatial)."""
+    return len(shape(node.args[0])) - (len(shape(node.args[1])) - 1)
+
+
+def _localize_conv(node, local):
+    """A depthwise convolution on a channel shard has one group per local channel."""
+    (p,) = local.out_placements(node)
+    if isinstance(p, Shard) and p.dim == _conv_channel_dim(node) and _conv_groups(node) > 1:
+        i = _CONV_GROUPS_ARG[node.target]
+        if len(node.args) > i:
+            local.set_arg(node, i, local.local_size(p))
+        else:
+            node.kwargs = {**node.kwargs, "groups": local.local_size(p)}
+
+
+@register(*_CONV_GROUPS_ARG, localize=_localize_conv)
+def _convolution(op):
+    """Convolutions mix neighbours along spatial dims, so those are never cut (a shard would
+    need its neighbours' halo). Over channels a convolution is a matmul: with one group the
+    input channels are contracted (a shard of them gives partial sums, the weight cut on its
+    dim 1), and a depthwise one (groups = in = out channels: the causal conv1d of Mamba and
+    linear-attention layers) filters each channel alone, so a channel shard passes, the
+    weight and bias cut alike. Other groupings run whole."""
+    x, w = op.node.args[0], op.node.args[1]
+    bias = op.node.args[2] if len(op.node.args) > 2 else op.node.kwargs.get("bias")
+    sx, sw, so = shape(x), shape(w), shape(op.node)
+    c, spatial = _conv_channel_dim(op.node), len(sw) - 2
+    groups = _conv_groups(op.node)
+    transposed = op.node.target == aten.convolution.default and op.node.args[6]
+    kept = list(range(c))  # the batch dim, if any
+    if groups == 1:  # a transposed convolution's weight is (in, out, *kernel)
+        x_labels, w_labels, out = kept + ["k"], ["k", "n"] if transposed else ["n", "k"], kept + ["n"]
+    elif groups == sx[c] == so[c] and sw[1] == 1:
+        x_labels, w_labels, out = kept + ["c"], ["c", None], kept + ["c"]
+    else:
+        return _replicate_all(op)
+    operands = [(x, x_labels + [None] * spatial), (w, w_labels + [None] * spatial)]
+    if bias is not None:
+        operands.append((bias, [out[-1]]))
+    out = out + [f"s{d}" for d in range(spatial)]
+    return einsum_rule(op, operands, out, linear=None if bias is not None else "mul")
+
+
 @register(aten.constant_pad_nd.default)
 def _constant_pad(op):
     """``F.pad``: a padded dim is not cut (its shards would need the pad in the middle); any
@@ -665,8 +739,9 @@ def _values_and_indices(op):
     return [p, p]
 
 
-def _last_dims_free(count_fn):
-    """Ops that read whole trailing dims (softmax over dim, layer_norm over normalized_shape)."""
+def _last_dims_free(count_fn, linear=None):
+    """Ops that read whole dims (softmax or cumsum over dim, layer_norm over normalized_shape);
+    ``linear`` as in :func:`einsum_rule` (a cumulative sum is linear)."""
     def propagate(op):
         x = op.node.args[0]
         n = len(shape(x))
@@ -676,7 +751,7 @@ def _last_dims_free(count_fn):
         for a in _tensor_args(op.node)[1:]:  # weight / bias over the normalized dims
             operands.append((a, [f"r{d}" for d in range(n - len(shape(a)), n)]))
         # the whole of each free dim feeds every output element: its label is not carried over
-        return einsum_rule(op, operands, [d if d not in free else f"o{d}" for d in range(n)])
+        return einsum_rule(op, operands, [d if d not in free else f"o{d}" for d in range(n)], linear)
     return propagate
 
 
@@ -684,6 +759,9 @@ register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
          aten._log_softmax.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
 register(aten.layer_norm.default, aten.rms_norm.default)(
     _last_dims_free(lambda node, n: set(range(n - len(node.args[1]), n))))
+register(aten.cumsum.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}, "unary"))
+register(aten.cumprod.default, aten.logcumsumexp.default)(
+    _last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
 
 
 # --------------------------------------------------------------------------- shape ops
