@@ -1,0 +1,107 @@
+"""The einsum core most rules share: every dimension has a label (see the package docstring).
+
+:func:`einsum_rule` decides the output's placement from the operands' labels; the helpers
+label the operands of pointwise ops and gather every input of an op that runs whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Partial, Replicate, Shard
+from tpcompile.passes.planner.dims import shape, val
+
+
+def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
+    """Propagate through an op whose operand dims carry labels (see module docstring).
+
+    ``operands``: [(arg, labels)] with one label per dim (None: a broadcast size-1 dim).
+    ``matmul``: a parameter operand (or a view of one) with a label that only it and the
+    output carry may start a column-parallel root when every operand is replicated.
+    With sequence parallelism, replicated and partial activations are put on sequence shards
+    (partial ones by a reduce-scatter) and column-parallel matmuls gather their input first.
+    """
+    sharded, partial = [], []
+    for i, (arg, labels) in enumerate(operands):
+        p = op.placement(arg)
+        if isinstance(p, Shard):
+            sharded.append((i, labels[p.dim], p.layout))
+        elif isinstance(p, Partial):
+            partial.append(i)
+    seq = op.sequence_label(out_labels)
+    if partial and not sharded:
+        if linear == "add" and len(partial) == len([o for o in operands if op.is_tensor(o[0])]):
+            return Partial()
+        if linear in ("mul", "unary") and len(partial) == 1:
+            return Partial()
+        if seq is None or not all(seq in operands[i][1] for i in partial):
+            for i in partial:
+                op.require(operands[i][0], Replicate())
+            return Replicate()
+        sharded = [(i, seq, op.sequence_layout()) for i in partial]  # reduce-scatter them
+    if not sharded:
+        column = op.maybe_column_parallel(operands, out_labels) if matmul else None
+        if column is not None or seq is None:
+            return column or Replicate()
+        sharded = [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
+    label = sharded[0][1]
+    if label is None:  # sharded along a dim the op does not map (e.g. a broadcast size-1 dim)
+        for arg, _ in operands:
+            op.require(arg, Replicate())
+        return Replicate()
+    if label == seq and len(sharded) == len([s for s in sharded if s[1] == seq]):
+        column = op.gather_for_column(operands, out_labels) if matmul else None  # Megatron-SP
+        if column is not None:
+            return column
+    for i, lab, _ in sharded[1:]:
+        if lab != label:  # a second sharded label: gather that operand
+            op.require(operands[i][0], Replicate())
+    same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label and i is not None]
+    target = op.unify(same) if same else sharded[0][2]
+    contracted = label not in out_labels
+    if contracted and (linear != "mul" or op.overlaps(target)):
+        # a non-linear reduction over a sharded dim (softmax over heads' dim, norms) or a
+        # sum over replicated blocks: both need the whole dim on every rank
+        for arg, _ in same:
+            op.require(arg, Replicate())
+        return Replicate()
+    for i, (arg, labels) in enumerate(operands):
+        if label in labels:  # replicated operands are sliced, partial ones reduce-scattered
+            op.require(arg, Shard(labels.index(label), target))
+        elif i in partial:
+            op.require(arg, Replicate())
+    if contracted:
+        return Partial()
+    return Shard(out_labels.index(label), target)
+
+
+def _broadcast_labels(args, out_shape):
+    """Right-aligned labels for pointwise operands; broadcast size-1 dims get None."""
+    n = len(out_shape)
+    result = []
+    for a in args:
+        s = shape(a)
+        labels = []
+        for d, size in enumerate(s):
+            o = d + n - len(s)
+            labels.append(None if (isinstance(size, int) and size == 1 and out_shape[o] != 1) else o)
+        result.append((a, labels))
+    return result
+
+
+def _replicate_all(op):
+    """The op runs on whole tensors: every tensor input is gathered / reduced first."""
+    for a in _tensor_args(op.node):
+        op.require(a, Replicate())
+    return Replicate()
+
+
+def _tensor_args(node):
+    flat = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            flat.extend(x for x in a if isinstance(x, fx.Node))
+        elif isinstance(a, fx.Node):
+            flat.append(a)
+    return [a for a in flat if isinstance(val(a), torch.Tensor)]

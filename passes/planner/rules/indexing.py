@@ -1,0 +1,64 @@
+"""Ops that move data between dims without being views: complex <-> real pairs, padding,
+advanced indexing, stacking."""
+
+from __future__ import annotations
+
+import torch
+
+from tpcompile.passes.planner.dims import norm_dim, shape, val
+from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.einsum import einsum_rule
+
+aten = torch.ops.aten
+
+
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view(op):
+    """``(..., 2)`` real <-> ``(...)`` complex: the leading dims keep their positions (they are
+    not broadcast-aligned from the right); a shard of the real/imaginary pair is gathered."""
+    x = op.node.args[0]
+    lead = min(len(shape(x)), len(shape(op.node)))
+    return einsum_rule(op, [(x, list(range(lead)) + [None] * (len(shape(x)) - lead))],
+                       list(range(lead)) + ["pair"] * (len(shape(op.node)) - lead), "unary")
+
+
+@register(aten.constant_pad_nd.default)
+def _constant_pad(op):
+    """``F.pad``: a padded dim is not cut (its shards would need the pad in the middle); any
+    other dim's shard passes. Padding with zeros is linear, so a partial input stays partial."""
+    x, pad = op.node.args[0], list(op.node.args[1])
+    value = op.node.args[2] if len(op.node.args) > 2 else 0
+    n = len(shape(x))
+    padded = {n - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    labels = [None if d in padded else d for d in range(n)]
+    out = [f"padded{d}" if d in padded else d for d in range(n)]
+    return einsum_rule(op, [(x, labels)], out, linear="unary" if value == 0 else None)
+
+
+@register(aten.index.Tensor)
+def _index(op):
+    """``x[i0, i1, ...]`` with index tensors (advanced indexing): gathering rows is linear, so a
+    partial ``x`` stays partial, and a shard of a dim no index reads moves to its output dim."""
+    x, indices = op.node.args[0], list(op.node.args[1])
+    n = len(shape(x))
+    picked = [d for d, i in enumerate(indices) if i is not None]
+    adjacent = picked == list(range(picked[0], picked[-1] + 1)) if picked else True
+    width = len(shape(op.node)) - (n - len(picked))
+    kept = [d for d in range(n) if d not in picked]
+    at = picked[0] if picked and adjacent else 0  # where the index dims land in the output
+    out_labels = kept[:at] + [None] * width + kept[at:]
+    operands = [(x, [None if d in picked else d for d in range(n)])]
+    operands += [(i, [None] * len(shape(i))) for i in indices if i is not None]
+    return einsum_rule(op, operands, [lab if lab is not None else f"i{j}"
+                                      for j, lab in enumerate(out_labels)], linear="mul")
+
+
+@register(aten.stack.default)
+def _stack(op):
+    """``stack`` is ``cat`` of unsqueezed tensors: the new dim carries no shard."""
+    tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
+    n = len(shape(op.node))
+    dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
+    labels = [d for d in range(n) if d != dim]
+    return einsum_rule(op, [(t, labels) for t in tensors],
+                       [d if d != dim else "stacked" for d in range(n)], linear="add")

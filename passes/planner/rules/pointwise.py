@@ -1,0 +1,103 @@
+"""Elementwise ops: pointwise math, casts, dropout, division, and their in-place variants.
+
+Also the rule :func:`tpcompile.passes.planner.rules.rule_for_target` gives any other op torch
+tags pointwise (``_TAGGED_POINTWISE``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Partial, Shard
+from tpcompile.runtime.rng import sharded_dropout
+from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.rules import RULES, Rule, register
+from tpcompile.passes.planner.rules.einsum import _broadcast_labels, _tensor_args, einsum_rule
+from tpcompile.passes.planner.rules.writes import _in_place
+
+aten = torch.ops.aten
+
+
+def _pointwise(linear):
+    def propagate(op):
+        out = shape(op.node)
+        tensors = _tensor_args(op.node)
+        operands = _broadcast_labels(tensors, out)
+        # a sum of partial sums is one; partial + a number would add the number on every rank
+        kind = None if linear == "add" and len(tensors) < 2 else linear
+        return einsum_rule(op, operands, list(range(len(out))), kind)
+    return propagate
+
+
+UNARY_LINEAR = [
+    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.detach.default, aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default,
+]
+POINTWISE = [
+    aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
+    aten.sigmoid.default, aten.exp.default, aten.log.default, aten.rsqrt.default,
+    aten.sqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.where.self, aten.add.Scalar, aten.sub.Scalar,
+    aten.bitwise_not.default, aten.abs.default, aten.erf.default, aten.reciprocal.default,
+    aten.softplus.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
+    aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
+    aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
+]
+register(*UNARY_LINEAR, elementwise=True)(_pointwise("unary"))
+# rule_for_target: ops torch tags pointwise (and not random)
+_TAGGED_POINTWISE = Rule(_pointwise(None), elementwise=True)
+
+
+@register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
+          elementwise=True)
+def _cast(op):
+    """A cast is linear into a floating (or complex) dtype; into integers or bool it rounds,
+    so a partial sum is reduced first. Only ``args[0]`` is data (``type_as``'s other operand
+    gives a dtype)."""
+    x, out = op.node.args[0], val(op.node)
+    linear = "unary" if out.dtype.is_floating_point or out.dtype.is_complex else None
+    labels = list(range(len(shape(op.node))))
+    return einsum_rule(op, [(x, labels)], labels, linear)
+
+
+def _localize_dropout(node, local):
+    """A sharded dropout draws the whole tensor's mask and keeps its slice (see tpcompile.runtime.rng)."""
+    (p,) = local.out_placements(node)
+    x, prob, train = node.args
+    if isinstance(p, Shard) and prob and train:
+        local.replace_target(node, sharded_dropout, (
+            x, prob, train, p.dim, p.layout.size, list(local.specs.ranges(p.layout)[local.rank])))
+
+
+register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
+register(*POINTWISE, elementwise=True)(_pointwise(None))
+register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub, elementwise=True)(_pointwise("add"))
+register(aten.mul.Tensor, operator.mul, elementwise=True)(_pointwise("mul"))
+
+
+@register(aten.div.Tensor, operator.truediv)
+def _divide(op):
+    """Linear in the dividend only: a partial divisor is reduced first."""
+    divisor = op.node.args[1]
+    partial = isinstance(divisor, fx.Node) and isinstance(op.placement(divisor), Partial)
+    return _pointwise(None if partial else "mul")(op)
+
+
+IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it follows
+    aten.relu_.default: aten.relu.default, aten.gelu_.default: aten.gelu.default,
+    aten.silu_.default: aten.silu.default, aten.tanh_.default: aten.tanh.default,
+    aten.sigmoid_.default: aten.sigmoid.default, aten.hardtanh_.default: aten.hardtanh.default,
+    aten.leaky_relu_.default: aten.leaky_relu.default, aten.elu_.default: aten.elu.default,
+    aten.clamp_.default: aten.clamp.default, aten.exp_.default: aten.exp.default,
+    aten.neg_.default: aten.neg.default, aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+    aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar,
+    aten.sub_.Tensor: aten.sub.Tensor, aten.sub_.Scalar: aten.sub.Scalar,
+    aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+    aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar,
+}
+for _op, _like in IN_PLACE.items():
+    RULES[_op] = Rule(_in_place(RULES[_like].propagate))

@@ -1,0 +1,329 @@
+"""Shape ops: views, transposes, permutes, squeezes, slices and selects move a shard (their
+``maps`` says where), splits and unbinds hand it to their pieces, ``cat`` and export's metadata
+checks."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Layout, Replicate, Shard
+from tpcompile.passes.planner.dims import (
+    chunk_layout, merge_layout, norm_dim, shape, split_layout, sub_layout, tile_layout,
+    untile_layout, val, view_groups,
+)
+from tpcompile.passes.planner.rules import is_view, register
+from tpcompile.passes.planner.rules.einsum import einsum_rule
+
+aten = torch.ops.aten
+
+
+def _shard_of(op, x):
+    p = op.placement(x)
+    return p if isinstance(p, Shard) else None
+
+
+def _passthrough_non_shard(op, x):
+    """Replicate and Partial flow through shape ops unchanged (they are linear maps)."""
+    p = op.placement(x)
+    return p if not isinstance(p, Shard) else None
+
+
+def _local_shape_arg(index):
+    """Rewrite the shape list at ``args[index]``: each sharded output dim gets its local size."""
+    def localize(node, local):
+        sizes = list(node.args[index])
+        for d, size in local.sharded_out_dims(node):
+            if isinstance(sizes[d], int) and sizes[d] != -1:
+                sizes[d] = size
+        local.set_arg(node, index, sizes)
+    return localize
+
+
+def _map_view(node, p: Shard):
+    """Where a reshape puts the sharded dim: kept, split (the shard goes to the leading part,
+    or to the second when the leading part is a chunk index picked apart later: a fused qkv
+    viewed as (3, heads, head_dim) and unbound), merged (whole dims in front of the shard make
+    tiles: BART's (batch, heads) as batch * heads) or a tiled dim split back; None otherwise."""
+    src, dst = shape(node.args[0]), shape(node)
+    for gi, gj in view_groups(src, dst) or []:
+        if p.dim not in gi:
+            continue
+        real_in = [d for d in gi if not (isinstance(src[d], int) and src[d] == 1)]
+        real_out = [d for d in gj if not (isinstance(dst[d], int) and dst[d] == 1)]
+        if not real_out:
+            return None
+        if len(real_in) == 1 and len(real_out) == 1:
+            return Shard(real_out[0], p.layout)
+        if p.layout.tiles > 1:  # only (tiles, sharded) again
+            return Shard(real_out[1], untile_layout(p.layout)) if (
+                len(real_in) == 1 and len(real_out) == 2 and dst[real_out[0]] == p.layout.tiles) else None
+        if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
+            inner = math.prod(dst[d] for d in real_out[1:])
+            lead = real_out[0]
+            if len(real_out) > 1 and isinstance(dst[lead], int) and _picked_apart(node, lead):
+                chunked = chunk_layout(p.layout, dst[lead], dst[real_out[1]],
+                                       math.prod(dst[d] for d in real_out[2:]))
+                if chunked is not None:
+                    return Shard(real_out[1], chunked)
+            return Shard(lead, split_layout(p.layout, dst[lead], inner))
+        others = [d for d in real_in if d != p.dim]
+        if len(real_out) == 1 and all(isinstance(src[d], int) for d in others):
+            k = real_in.index(p.dim)
+            outer, inner = (math.prod(src[d] for d in part) for part in (real_in[:k], real_in[k + 1:]))
+            return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer))
+        return None
+    return None
+
+
+def _picked_apart(node: fx.Node, dim: int, depth: int = 4) -> bool:
+    """Whether dim ``dim`` of ``node`` is taken apart index by index (unbind, select) by its
+    users, following it through ops that only move dims."""
+    n = len(shape(node))
+    for user in node.users:
+        if user.args[0] is not node:
+            continue
+        if user.target in (aten.unbind.int, aten.select.int):
+            if norm_dim(user.args[1] if len(user.args) > 1 else 0, n) == dim:
+                return True
+        elif depth and is_view(user):
+            moved = _maps(user, Shard(dim, Layout("", int(shape(node)[dim]))))
+            if moved is not None and _picked_apart(user, moved.dim, depth - 1):
+                return True
+    return False
+
+
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+
+
+@register(*VIEWS, aten.transpose.int, aten.t.default, aten.permute.default,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+          aten.expand.default, aten.slice.Tensor, aten.select.int,
+          aten.repeat_interleave.self_int, aten.unflatten.int, aten.flatten.using_ints,
+          aten.numpy_T.default, aten.movedim.int,
+          localize=lambda node, local: _localize_dim_op(node, local),
+          maps=lambda node, p: _maps(node, p))
+def _dim_op(op):
+    """Ops that move, add, drop or regroup dims without mixing sharded data across them."""
+    x = op.node.args[0]
+    other = _passthrough_non_shard(op, x)
+    if other is not None:
+        return other
+    mapped = _maps(op.node, _shard_of(op, x))
+    chunk = op.node.target is aten.slice.Tensor and mapped is not None \
+        and mapped.layout != op.placement(x).layout
+    if mapped is None or (chunk and mapped.layout.size < op.specs.world_size):
+        # a chunk too small to split over the ranks would be a replicated block of the root,
+        # which no row-parallel consumer can read: gather before it instead
+        op.require(x, Replicate())
+        return Replicate()
+    # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
+    # the planner adds), not when the rewrite asks for the rank's size
+    op.check_aligned(mapped.layout)
+    if chunk:
+        op.require_block(mapped.layout)  # uneven fused chunks (Phi-3's qkv[..., :q_size])
+    return mapped
+
+
+def _maps(node, p: Shard):
+    return (_map_view if node.target in VIEWS else _map_dim)(node, p)
+
+
+def _map_dim(node, p: Shard):
+    """Where the sharded dim of the input goes in the output, or None if it is cut up."""
+    t, args = node.target, node.args
+    n_in, n_out = len(shape(args[0])), len(shape(node))
+    d = p.dim
+    if t in (aten.transpose.int, aten.t.default):
+        if n_in < 2:  # t() of a vector is the vector
+            return p
+        a, b = (norm_dim(args[1], n_in), norm_dim(args[2], n_in)) if len(args) > 2 else (0, 1)
+        return Shard(b if d == a else a if d == b else d, p.layout)
+    if t is aten.permute.default:
+        return Shard([norm_dim(x, n_in) for x in args[1]].index(d), p.layout)
+    if t is aten.numpy_T.default:  # every dim reversed
+        return Shard(n_in - 1 - d, p.layout)
+    if t is aten.movedim.int:
+        order = list(range(n_in))
+        src, dst = norm_dim(args[1], n_in), norm_dim(args[2], n_in)
+        order.insert(dst, order.pop(src))
+        return Shard(order.index(d), p.layout)
+    if t in (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+             aten.expand.default):
+        # sizes > 1 keep their order; the sharded dim is the k-th of them on both sides
+        src = [i for i, s in enumerate(shape(args[0])) if not (isinstance(s, int) and s == 1)]
+        dst_shape = shape(node)
+        if t is aten.expand.default:
+            # new leading dims and broadcast size-1 dims do not move the sharded dim
+            return Shard(d + n_out - n_in, p.layout)
+        dst = [i for i, s in enumerate(dst_shape) if not (isinstance(s, int) and s == 1)]
+        return Shard(dst[src.index(d)], p.layout)
+    if t is aten.slice.Tensor:
+        if norm_dim(args[1] if len(args) > 1 else 0, n_in) != d:
+            return p
+        bounds = _slice_bounds(node, p.layout.size)
+        if bounds is None:
+            return None
+        if bounds == (0, p.layout.size):
+            return p
+        return Shard(d, sub_layout(p.layout, *bounds)) if (
+            p.layout.copies == 1 and p.layout.tiles == 1) else None
+    if t is aten.select.int:
+        dim = norm_dim(args[1], n_in)
+        return None if dim == d else Shard(d - (dim < d), p.layout)
+    if p.layout.tiles > 1 and t in (aten.repeat_interleave.self_int, aten.unflatten.int,
+                                    aten.flatten.using_ints):
+        return None  # the ops below that regroup the sharded dim assume no tiles
+    if t is aten.repeat_interleave.self_int:
+        dim = norm_dim(args[2], n_in) if len(args) > 2 else None
+        if dim != d or not isinstance(args[1], int):
+            return p if dim is not None and dim != d else None
+        return Shard(d, merge_layout(p.layout, args[1]))
+    if t is aten.unflatten.int:
+        dim, sizes = norm_dim(args[1], n_in), list(args[2])
+        if dim != d:
+            return Shard(d + (len(sizes) - 1) * (d > dim), p.layout)
+        if any(not isinstance(s, int) or s == -1 for s in sizes[1:]):
+            return None
+        inner = 1
+        for s in sizes[1:]:
+            inner *= s
+        return Shard(d, split_layout(p.layout, p.layout.size // inner, inner))
+    if t is aten.flatten.using_ints:  # start_dim and end_dim default to 0 and -1
+        a = norm_dim(args[1] if len(args) > 1 else 0, n_in)
+        b = norm_dim(args[2] if len(args) > 2 else -1, n_in)
+        if d < a or d > b:
+            return Shard(d - (b - a) * (d > b), p.layout)
+        if d != a or any(not isinstance(s, int) for s in shape(args[0])[a + 1:b + 1]):
+            return None
+        inner = 1
+        for s in shape(args[0])[a + 1:b + 1]:
+            inner *= s
+        return Shard(a, merge_layout(p.layout, inner))
+    return None
+
+
+def _slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:
+    """``[start, stop)`` of a ``slice`` with step 1 and static bounds, clamped as Python does."""
+    args = node.args
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    if step != 1 or not all(b is None or isinstance(b, int) for b in (start, end)):
+        return None
+    start, end = slice(start, end).indices(size)[:2]
+    return start, max(start, end)
+
+
+def _localize_dim_op(node, local):
+    if node.target in VIEWS or node.target is aten.expand.default:
+        _local_shape_arg(1)(node, local)
+    elif node.target is aten.unflatten.int and local.input_sharded_on(node, node.args[1]):
+        # the shard lands on the first of the unflattened sizes; shards of other dims change none
+        sizes = list(node.args[2])
+        (p,) = local.out_placements(node)
+        sizes[0] = local.local_size(p)
+        local.set_arg(node, 2, sizes)
+    elif node.target in SQUEEZES and isinstance(local.consumed(node.args[0], node), Shard):
+        # a rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims
+        # that are 1 long in the whole tensor
+        x = node.args[0]
+        n = len(shape(x))
+        asked = node.args[1] if len(node.args) > 1 else range(n)
+        asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
+        dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
+        local.replace_target(node, aten.squeeze.dims, (x, dims))
+    elif node.target is aten.slice.Tensor and local.input_sharded_on(
+            node, node.args[1] if len(node.args) > 1 else 0):
+        # a whole-dim slice keeps the rank's shard; a chunk's bounds become the rank's part of it
+        p, (out,) = local.consumed(node.args[0], node), local.out_placements(node)
+        start, _ = _slice_bounds(node, p.layout.size)
+        node.args = tuple(node.args) + (0, None, None)[len(node.args) - 1:]
+        before = local.local_size(Shard(p.dim, sub_layout(p.layout, 0, start))) if start else 0
+        local.set_arg(node, 2, before)
+        local.set_arg(node, 3, before + local.local_size(out))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+          localize=lambda node, local: _localize_split(node, local))
+def _split(op):
+    x = op.node.args[0]
+    outs = val(op.node)
+    p = op.placement(x)
+    if not isinstance(p, Shard):
+        return [p] * len(outs)
+    n = len(shape(x))
+    dim = norm_dim(op.node.args[2] if len(op.node.args) > 2 else 0, n)
+    if dim != p.dim:
+        return [p] * len(outs)
+    if p.layout.tiles > 1:  # chunks of a tiled dim cut across tiles: gathered
+        op.require(x, Replicate())
+        return [Replicate()] * len(outs)
+    chunks, start = [], 0
+    for o in outs:
+        size = int(o.shape[dim])
+        chunk = sub_layout(p.layout, start, start + size)
+        op.require_block(chunk)  # a fused qkv weight is sharded per chunk, not contiguously
+        chunks.append(Shard(dim, chunk))
+        start += size
+    return chunks
+
+
+def _localize_split(node, local):
+    dims = local.input_sharded_on(node, node.args[2] if len(node.args) > 2 else 0)
+    if not dims:
+        return
+    sizes = [local.local_size(pl) for pl in local.out_placements(node)]
+    local.replace_target(node, aten.split_with_sizes.default, (node.args[0], sizes) + tuple(node.args[2:]))
+
+
+@register(aten.unbind.int)
+def _unbind(op):
+    """Unbinding another dim keeps every piece on the input's cut (q, k, v of a fused qkv
+    viewed as (B, T, 3, heads, head_dim): each holds the rank's heads); unbinding the sharded
+    dim itself would hand each rank whole pieces only some ranks hold: gathered."""
+    x = op.node.args[0]
+    n, p = len(val(op.node)), op.placement(x)
+    if not isinstance(p, Shard):
+        return [p] * n
+    dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, len(shape(x)))
+    if dim == p.dim:
+        op.require(x, Replicate())
+        return [Replicate()] * n
+    return [Shard(p.dim - (dim < p.dim), p.layout)] * n
+
+
+@register(operator.getitem)
+def _getitem(op):
+    src, idx = op.node.args
+    p = op.placement(src)
+    return p[idx] if isinstance(p, (list, tuple)) else p
+
+
+@register(aten.cat.default)
+def _cat(op):
+    tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
+    n = len(shape(op.node))
+    dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
+    if any(isinstance(p, Shard) and p.dim == dim for p in map(op.placement, tensors)):
+        for t in tensors:  # concatenating along the sharded dim interleaves shards: gather
+            op.require(t, Replicate())
+        return Replicate()
+    operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in tensors]
+    return einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
+
+
+@register(aten._assert_tensor_metadata.default,
+          localize=lambda node, local: _localize_metadata_check(node, local))
+def _metadata_check(op):
+    """Export's dtype/device checks: no output, no need to gather what they look at."""
+    return None
+
+
+def _localize_metadata_check(node, local):
+    if isinstance(local.consumed(node.args[0], node), Shard):  # sizes are global: drop them
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "stride")}

@@ -1,0 +1,86 @@
+"""Vocabulary parallelism: an embedding table cut by rows gives a partial lookup, logits cut by
+vocabulary a vocabulary-parallel cross entropy."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.core.placement import Partial, Replicate, Shard
+from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from tpcompile.passes.planner.dims import shape
+from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.einsum import _replicate_all
+
+aten = torch.ops.aten
+
+
+_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+               aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.clone.default,
+               aten.contiguous.default, aten.expand.default, aten._to_copy.default}
+
+
+def _from_inputs(node) -> bool:
+    """Indices that come from the caller (token ids), not computed in the model (positions)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SHAPE_ONLY:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder"
+
+
+def _contiguous(op, layout) -> bool:
+    return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
+
+
+@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local))
+def _embedding(op):
+    """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros)."""
+    w, ids = op.node.args[:2]
+    wanted = op.is_param(w) and (w.target in op.constraints.tied or (
+        op.options.vocab_parallel and _from_inputs(ids)))
+    layout = op.root_layout(w, 0) if wanted else None
+    if layout is not None and _contiguous(op, layout):
+        op.require(w, Shard(0, layout))
+        op.require(ids, Replicate())
+        return Partial()
+    return _replicate_all(op)
+
+
+def _localize_embedding(node, local):
+    p = local.consumed(node.args[0], node)
+    if isinstance(p, Shard):
+        (start, stop), = local.specs.ranges(p.layout)[local.rank]
+        pad = node.args[2] if len(node.args) > 2 else -1
+        local.replace_target(node, vocab_parallel_embedding,
+                             (node.args[0], node.args[1], start, stop, pad, p.layout.size))
+
+
+@register(aten.cross_entropy_loss.default,
+          localize=lambda node, local: _localize_cross_entropy(node, local))
+def _cross_entropy(op):
+    """Logits sharded by vocabulary: a vocabulary-parallel loss, the logits never gathered."""
+    x, target = op.node.args[:2]
+    args = list(op.node.args) + [None, 1, -100, 0.0][len(op.node.args) - 2:]
+    weight, label_smoothing = op.node.kwargs.get("weight", args[2]), op.node.kwargs.get(
+        "label_smoothing", args[5])
+    p = op.placement(x)
+    class_dim = 1 if len(shape(x)) >= 2 else 0
+    if (isinstance(p, Shard) and p.dim == class_dim and weight is None and not label_smoothing
+            and _contiguous(op, p.layout)):
+        op.require(target, Replicate())
+        return Replicate()
+    return _replicate_all(op)
+
+
+def _localize_cross_entropy(node, local):
+    x, target = node.args[:2]
+    p = local.consumed(x, node)
+    if not isinstance(p, Shard):
+        return
+    (start, stop), = local.specs.ranges(p.layout)[local.rank]
+    args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    reduction = node.kwargs.get("reduction", args[3])
+    ignore_index = node.kwargs.get("ignore_index", args[4])
+    node.kwargs = {}
+    local.replace_target(node, vocab_parallel_cross_entropy,
+                         (x, target, p.dim, start, stop, reduction, ignore_index, local.group,
+                          p.layout.size))
