@@ -297,7 +297,9 @@ def _partials_reduced_in_pieces(state: Propagation) -> set[str]:
                 if isinstance(read, (Replicate, Shard)):
                     total += 1
                     continue
-                more = reductions(user) if _partial(read) and _partial(state.placements.get(user)) else None
+                if _partial(read) and not _partial(state.placements.get(user)):
+                    continue  # not read as data: a metadata check, type_as's dtype operand
+                more = reductions(user) if _partial(read) else None
                 if more is None:
                     total = None
                     break
@@ -382,7 +384,7 @@ def _absorb_params(gm, state: Propagation) -> None:
             continue
         chain = carrier_chain(node)
         end = chain[-1]
-        wanted = [state.conversions.get((end, u)) for u in end.users]
+        wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
         first = wanted[0]
         if not (isinstance(first, Shard) and all(
                 isinstance(w, Shard) and _same(specs, first, w) for w in wanted)):
@@ -393,7 +395,7 @@ def _absorb_params(gm, state: Propagation) -> None:
         for n, p in zip(chain, placements):
             state.placements[n] = p
         for u in end.users:
-            del state.conversions[(end, u)]
+            state.conversions.pop((end, u), None)
 
 
 def _pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | None:

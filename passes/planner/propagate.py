@@ -265,12 +265,11 @@ def carrier_chain(node: fx.Node) -> list[fx.Node]:
     ops: ``A_log -> float -> exp -> neg``): a weight at its head can be stored sharded and the
     shard carried down, instead of each rank slicing the chain's end."""
     chain = [node]
-    while len(chain[-1].users) == 1:
-        user = next(iter(chain[-1].users))
-        if shard_map(user) is None or user.args[0] is not chain[-1]:
-            break
-        chain.append(user)
-    return chain
+    while True:
+        users = [u for u in chain[-1].users if val(u) is not None]  # not export's metadata checks
+        if len(users) != 1 or shard_map(users[0]) is None or users[0].args[0] is not chain[-1]:
+            return chain
+        chain.append(users[0])
 
 
 def local_slice(specs: Specs, src, dst) -> bool:

@@ -105,5 +105,5 @@ register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
 register(aten.layer_norm.default, aten.rms_norm.default)(
     _last_dims_free(lambda node, n: set(range(n - len(node.args[1]), n))))
 register(aten.cumsum.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}, "unary"))
-register(aten.cumprod.default, aten.logcumsumexp.default)(
+register(aten.logcumsumexp.default)(
     _last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
