@@ -291,11 +291,12 @@ def _partials_reduced_in_pieces(state: Propagation) -> set[str]:
     def reductions(node: fx.Node) -> int | None:
         """Reductions of ``node``'s partial sum downstream; None if a piece leaves otherwise."""
         if node not in below:
-            total = 0
+            total, reduced = 0, set()  # consumers reading one placement share one conversion
             for user in node.users:
                 read = _consumed(state, node, user)
                 if isinstance(read, (Replicate, Shard)):
-                    total += 1
+                    total += read not in reduced
+                    reduced.add(read)
                     continue
                 if _partial(read) and not _partial(state.placements.get(user)):
                     continue  # not read as data: a metadata check, type_as's dtype operand
