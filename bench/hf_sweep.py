@@ -71,7 +71,7 @@ REPRESENTATIVE: tuple[str, ...] = (
     "LlamaForCausalLM",      # SwiGLU, RoPE, GQA 4q/2kv: KV heads sharded with their queries
     "MistralForCausalLM",    # llama-like with a sliding window
     "Qwen2ForCausalLM",      # q/k/v biases
-    "Qwen3ForCausalLM",      # per-head q/k RMSNorm: +2 backward (their weights' gradients)
+    "Qwen3ForCausalLM",      # per-head q/k RMSNorm: +1 backward (their weights' gradients, bucketed)
     "GemmaForCausalLM",      # GeGLU, norm as x * (1 + w), scaled embeddings
     "Gemma2ForCausalLM",     # logit soft-capping, sandwich norms, alternating sliding window
     "GPT2LMHeadModel",       # transposed Conv1D, fused c_attn split three ways
@@ -84,6 +84,7 @@ REPRESENTATIVE: tuple[str, ...] = (
     "MptForCausalLM",        # ALiBi, fused Wqkv (the Bloom-style block that captures)
     "Olmo2ForCausalLM",      # RMSNorm over whole q/k projections: its statistic all-reduced
     "DeepseekV3ForCausalLM",  # MLA (q_a / kv_a whole, q_b / kv_b column) and MoE experts
+    "MambaForCausalLM",      # depthwise conv1d on channels; x_proj's dt / B / C reduced once
 )
 
 # Observed between runs of the same sweep, not in one row: numerics on gloo ranks raised
