@@ -386,7 +386,7 @@ def _absorb_params(gm, state: Propagation) -> None:
         chain = carrier_chain(node)
         end = chain[-1]
         wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
-        first = wanted[0]
+        first = wanted[0] if wanted else None  # none: only export's metadata checks read it
         if not (isinstance(first, Shard) and all(
                 isinstance(w, Shard) and _same(specs, first, w) for w in wanted)):
             continue

@@ -30,8 +30,8 @@ from tpcompile.passes.planner.rules import is_view, rule_for, shard_map
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain", "local_slice",
-           "NO_RULE"]
+__all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
+           "local_slice", "NO_RULE"]
 
 NO_RULE = "tp_no_rule"  # node.meta key: an op with no rule met a sharded or partial input
 
@@ -251,23 +251,25 @@ class OpView:
 def view_chain(node: fx.Node) -> list[fx.Node]:
     """``node`` and the views it alone feeds, one user each (``w -> t -> matmul``: [w, t]);
     the forward twin of :meth:`OpView.param_behind`."""
-    chain = [node]
-    while len(chain[-1].users) == 1:
-        user = next(iter(chain[-1].users))
-        if not is_view(user) or user.args[0] is not chain[-1]:
-            break
-        chain.append(user)
-    return chain
+    return _chain(node, is_view, lambda n: list(n.users))
 
 
 def carrier_chain(node: fx.Node) -> list[fx.Node]:
     """``node`` and the ops it alone feeds that carry a shard of it whole (views, elementwise
     ops: ``A_log -> float -> exp -> neg``): a weight at its head can be stored sharded and the
-    shard carried down, instead of each rank slicing the chain's end."""
+    shard carried down, instead of each rank slicing the chain's end. Export's metadata checks
+    (no value) are not counted as users."""
+    return _chain(node, lambda u: shard_map(u) is not None,
+                  lambda n: [u for u in n.users if val(u) is not None])
+
+
+def _chain(node: fx.Node, follows, users_of) -> list[fx.Node]:
+    """``node``, then while the last node has exactly one user (``users_of``) that ``follows``
+    and reads it as its first argument, that user."""
     chain = [node]
     while True:
-        users = [u for u in chain[-1].users if val(u) is not None]  # not export's metadata checks
-        if len(users) != 1 or shard_map(users[0]) is None or users[0].args[0] is not chain[-1]:
+        users = users_of(chain[-1])
+        if len(users) != 1 or not follows(users[0]) or users[0].args[0] is not chain[-1]:
             return chain
         chain.append(users[0])
 

@@ -28,8 +28,11 @@ def repeated_block_paths(module: nn.Module) -> list[str]:
 def block_of(node: fx.Node, paths: list[str]) -> str | None:
     """The block of ``paths`` whose module (or a submodule of it) ``node`` was traced in; for
     a parameter or buffer (``get_attr``), the block its name is under."""
-    stack = node.meta.get("nn_module_stack") or {}
-    names = [node.target] if node.op == "get_attr" else [path for path, _ in reversed(list(stack.values()))]
+    if node.op == "get_attr":
+        names = [node.target]
+    else:
+        stack = node.meta.get("nn_module_stack") or {}
+        names = [path for path, _ in reversed(list(stack.values()))]
     for path in names:
         for p in paths:
             if path == p or path.startswith(p + "."):

@@ -5,8 +5,8 @@ launcher knowledge. Ranks rendezvous through a temporary file (no port races), r
 intra-op thread each (the CI machine has 2 cores), and every rank's return value or traceback
 comes back to the caller. Ranks fork from a server process that imported torch once (the
 ``forkserver`` start method), which saves each launch seconds of imports per rank; they get
-the caller's environment as it is at the launch, as spawned processes would. A rank that hangs is killed after ``timeout`` seconds and reported,
-never waited on forever.
+the caller's environment as it is at the launch, as spawned processes would. A rank that
+hangs is killed after ``timeout`` seconds and reported, never waited on forever.
 """
 
 from __future__ import annotations
