@@ -84,7 +84,6 @@ REPRESENTATIVE: tuple[str, ...] = (
     "MptForCausalLM",        # ALiBi, fused Wqkv (the Bloom-style block that captures)
     "Olmo2ForCausalLM",      # RMSNorm over whole q/k projections: its statistic all-reduced
     "DeepseekV3ForCausalLM",  # MLA (q_a / kv_a whole, q_b / kv_b column) and MoE experts
-    "MambaForCausalLM",      # depthwise conv1d on channels; x_proj's dt / B / C reduced once
 )
 
 # Observed between runs of the same sweep, not in one row: numerics on gloo ranks raised
