@@ -102,7 +102,7 @@ SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 
 @register(*VIEWS, aten.transpose.int, aten.t.default, aten.permute.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-          aten.expand.default, aten.slice.Tensor, aten.select.int,
+          aten.expand.default, aten.slice.Tensor, aten.select.int, aten.repeat.default,
           aten.repeat_interleave.self_int, aten.unflatten.int, aten.flatten.using_ints,
           aten.numpy_T.default, aten.movedim.int,
           localize=lambda node, local: _localize_dim_op(node, local),
@@ -175,6 +175,14 @@ def _map_dim(node, p: Shard):
     if t is aten.select.int:
         dim = norm_dim(args[1], n_in)
         return None if dim == d else Shard(d - (dim < d), p.layout)
+    if t is aten.repeat.default:
+        # repeats align with the trailing dims (extra ones add leading dims); repeating the
+        # sharded dim r times is r tiles of it, each rank's tile its own indices
+        lead = len(args[1]) - n_in
+        r = args[1][lead + d]
+        if not isinstance(r, int):
+            return None
+        return Shard(d + lead, p.layout if r == 1 else tile_layout(p.layout, r))
     if p.layout.tiles > 1 and t in (aten.repeat_interleave.self_int, aten.unflatten.int,
                                     aten.flatten.using_ints):
         return None  # the ops below that regroup the sharded dim assume no tiles
