@@ -22,7 +22,8 @@ Plans come from ``tpcompile.explain``, with no process group. Per idiom and worl
 
 ``--numerics`` also runs every idiom on local gloo ranks (``tpcompile.parallelize``) and
 reports the largest relative error of the logits and of any gradient against the unsharded
-model (``tpcompile.tools.numerics.compare``; the test suite's tolerance is 1e-5).
+model (``tpcompile.tools.numerics.compare``; the test suite's tolerance is 1e-5), at the
+example's batch and length and again at others (the capture keeps them symbolic).
 
 The markdown also lists, per row that is not the Megatron plan, the planner's reason for each
 unexpected style and each fallback: what to fix.
@@ -137,8 +138,13 @@ def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                c = compare(model, tpcompile.parallelize(model, inputs), inputs)
-            out[name] = (c.output_err, c.max_grad_err)
+                tp = tpcompile.parallelize(model, inputs)
+                c = compare(model, tp, inputs)
+                # and at another batch and length: sizes the graph computes from symbolic dims
+                # (a merged batch * heads, say) must follow the call, not the example
+                tp.zero_grad()
+                other = compare(model, tp, idioms.example_inputs(BATCH + 1, SEQ - 5, seed=1))
+            out[name] = (max(c.output_err, other.output_err), max(c.max_grad_err, other.max_grad_err))
         except Exception as e:  # noqa: BLE001 - raised alike on every rank (plans agree)
             out[name] = _first_line(e)
     return out

@@ -126,14 +126,18 @@ def chunk_layout(layout: Layout, chunks: int, size: int, inner: int) -> Layout |
                    period=layout.scale * size * inner)
 
 
-def tile_layout(layout: Layout, outer: int) -> Layout:
-    """The layout of (outer..., sharded) dims merged into one: ``outer`` tiles of the shard."""
-    return replace(layout, size=layout.size * outer, tiles=layout.tiles * outer)
+def tile_layout(layout: Layout, outer) -> Layout:
+    """The layout of (outer..., sharded) dims merged into one: ``outer`` tiles of the shard.
+    A symbolic ``outer`` (a dynamic batch) leaves the count symbolic: ``tiles=0``, one tile's
+    size kept."""
+    if isinstance(outer, int) and layout.tiles:
+        return replace(layout, size=layout.size * outer, tiles=layout.tiles * outer)
+    return replace(layout, size=layout.tile_size, tiles=0)
 
 
 def untile_layout(layout: Layout) -> Layout:
     """The layout of the sharded dim when a tiled dim is viewed as (tiles, sharded)."""
-    return replace(layout, size=layout.size // layout.tiles, tiles=1)
+    return replace(layout, size=layout.tile_size, tiles=1)
 
 
 def merge_layout(layout: Layout, inner: int) -> Layout:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 from torch import fx
@@ -50,6 +51,8 @@ class _Converter:
 
     def convert(self, x: fx.Node, src, dst, sum_grads: bool = False) -> fx.Node:
         g, ws = self.g, self.plan.world_size
+        if _symbolic_tiles(src) or _symbolic_tiles(dst):
+            return self._convert_tiles(x, src, dst, sum_grads)
         if isinstance(src, Partial) and isinstance(dst, Shard):
             width, index, mine, _ = gather_args(self.specs, dst.layout, self.rank, ws)
             return g.call_function(C.reduce_scatter, (x, dst.dim, width, index, mine, ws, self.group))
@@ -69,6 +72,30 @@ class _Converter:
         held = self.local_held(src, dst.layout.size)
         wanted = self.specs.ranges(dst.layout)[self.rank]
         return _slices(g, x, dst.dim, positions(held, wanted), sum(e - s for s, e in held))
+
+
+    def _convert_tiles(self, x: fx.Node, src, dst, sum_grads: bool) -> fx.Node:
+        """A dim of a symbolic number of tiles (``batch * heads``, dynamic batch) converts tile
+        by tile: viewed as (tiles, tile), its tile dim converts as any shard, then merges back."""
+        g = self.g
+        if _symbolic_tiles(src):
+            d, tile = src.dim, replace(src.layout, tiles=1)
+            x = g.call_function(aten.unflatten.int, (x, d, [-1, self.specs.local_size(tile, self.rank)]))
+            x = self.convert(x, Shard(d + 1, tile), Replicate(), sum_grads)
+            x = g.call_function(aten.flatten.using_ints, (x, d, d + 1))
+            src = Replicate()
+        elif isinstance(src, Shard):  # another dim's shard: gathered first
+            x, src = self.convert(x, src, Replicate(), sum_grads), Replicate()
+        if not _symbolic_tiles(dst):
+            return self.convert(x, src, dst, sum_grads)
+        d, tile = dst.dim, replace(dst.layout, tiles=1)
+        x = g.call_function(aten.unflatten.int, (x, d, [-1, tile.size]))
+        x = self.convert(x, src, Shard(d + 1, tile), sum_grads)
+        return g.call_function(aten.flatten.using_ints, (x, d, d + 1))
+
+
+def _symbolic_tiles(p) -> bool:
+    return isinstance(p, Shard) and p.layout.tiles == 0
 
 
 def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):

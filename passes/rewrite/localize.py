@@ -36,10 +36,6 @@ class LocalView:
     def local_size(self, placement: Shard) -> int:
         return self.specs.local_size(placement.layout, self.rank)
 
-    def sharded_out_dims(self, node: fx.Node) -> list[tuple[int, int]]:
-        return [(p.dim, self.local_size(p)) for p in self.out_placements(node)
-                if isinstance(p, Shard)]
-
     def input_sharded_on(self, node: fx.Node, dim: int) -> bool:
         x = node.args[0]
         p = self.consumed(x, node)

@@ -3,7 +3,8 @@
 For each idiom the planner now handles, at 2 and 4 ranks: every weight takes the style the
 corpus expects, the largest rank holds no more than the ideal bytes (sharded weights / N +
 the rest whole), every layer issues exactly the corpus's all-reduces and nothing else, and on
-real gloo ranks the output and every gradient equal the unsharded model's (at 4 ranks CI runs
+real gloo ranks the output and every gradient equal the unsharded model's, at the example's
+batch and length and at others (at 4 ranks CI runs
 the idioms whose 4-rank plan differs in kind; ``-m slow`` runs them all). ``bench/idioms.py``
 measures the whole corpus (idioms still off the bound included) and writes
 bench/results/idioms.md.
@@ -46,6 +47,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     # depthwise conv1d on channel shards; x_proj's partial (dt, B, C) all-reduced once, not per
     # scan step; A_log stored sharded through -exp(A_log)
     "mamba_selective_scan": (2, 4),
+    # BART / XGLM: reshape(B * H, T, d) with a dynamic batch: a symbolic count of tiles
+    "bmm_batch_heads_merged": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -64,7 +67,8 @@ def test_plan_is_megatrons(name, world_size):
 # uneven chunks, experts or a statistic, the rest with -m slow (CI time; their 4-rank plans are
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
-                       "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan")
+                       "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
+                       "bmm_batch_heads_merged")
 
 
 def _numerics_params() -> list:

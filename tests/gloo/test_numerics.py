@@ -88,3 +88,13 @@ def test_unknown_op_is_gathered_visibly(results, ws):
     assert "cumprod" in c["fallbacks"]
     assert c["styles"]["qkv.weight"] == "colwise" and c["styles"]["proj.weight"] == "rowwise"
     assert c["collectives"]["forward"] == {"all_gather": 1, "all_reduce": 1}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_merged_batch_and_heads_gather_tile_by_tile(results, ws):
+    """(B * H) scores with a symbolic B: gathered for the unruled op, cut again for the values'
+    bmm, the projections still column -> row (its numerics: the tests above)."""
+    c = cases(results, ws, "merged_heads_fallback")[0]
+    assert "cumprod" in c["fallbacks"]
+    assert c["styles"]["qkv.weight"] == "colwise" and c["styles"]["proj.weight"] == "rowwise"
+    assert c["collectives"]["forward"] == {"all_gather": 1, "all_reduce": 1}

@@ -35,6 +35,28 @@ class UnruledOpAttention(nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+class MergedHeadsUnruledOp(nn.Module):
+    """Batch and heads merged (``reshape(B * H, T, d)``: BART's bmm attention) with a dynamic
+    batch, and an op without a sharding rule on the merged scores: they are gathered tile by
+    tile, and cut again where they meet the head-sharded values."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H, d = self.heads, C // self.heads
+        q, k, v = (t.view(B, T, H, d).transpose(1, 2).reshape(B * H, T, d)
+                   for t in self.qkv(x).split(C, dim=2))
+        att = torch.cumprod(torch.sigmoid(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(d)), -1)
+        y = torch.bmm(att.softmax(-1), v).view(B, H, T, d)
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
 class FreshBufferKeys(nn.Module):
     """MLA's ``expand_kv``: each head's key is its own part and a part every head shares,
     written into a ``new_empty`` buffer by ``copy_`` into slices (the shared part broadcast)."""
@@ -96,6 +118,7 @@ CASES = {
     "mlp_uneven": ("mlp", {"dim": 20, "hidden": 30}),
     # the scores go through an op without a sharding rule: gathered there, still exact
     "unknown_op_fallback": (UnruledOpAttention, {}),
+    "merged_heads_fallback": (MergedHeadsUnruledOp, {}),
     # in-place writes into buffers the model makes itself, planned out of place
     "fresh_buffer_copy": (FreshBufferKeys, {}),
     "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),

@@ -16,7 +16,9 @@ dimension is viewed as ``(heads, head_dim)``, ``rep`` when grouped-query heads a
 root ranges ``period`` apart, and every rank must hold the same indices of each, which the
 chunks' blocks guarantee (each chunk one block, cut alike). ``tiles`` appears when whole dims
 are merged in front of a sharded one (``(batch, heads)`` viewed as ``batch * heads``): the
-dimension is that many tiles, each holding the rank's indices of the sharded one.
+dimension is that many tiles, each holding the rank's indices of the sharded one. A symbolic
+batch makes the count symbolic: ``tiles=0``, ``size`` is then one tile's, and index ranges are
+those of every tile.
 
 Everything here is rank-independent data: one plan describes every rank, and per-rank index
 ranges are computed from it.
@@ -67,7 +69,8 @@ class Layout:
     copies: int = 1
     period: int = 0
     # the dimension is ``tiles`` whole dims merged in front of the sharded one, each tile the
-    # same indices: (batch, heads) viewed as batch * heads (BART's bmm attention)
+    # same indices: (batch, heads) viewed as batch * heads (BART's bmm attention); 0 when the
+    # merged dims are symbolic (a dynamic batch): ``size`` is then one tile's
     tiles: int = 1
 
     def covered(self) -> tuple[int, int]:
@@ -75,9 +78,14 @@ class Layout:
         return self.offset, self.offset + (self.copies - 1) * self.period + self.span
 
     @property
+    def tile_size(self) -> int:
+        """The indices of one tile (the whole dimension when it is not tiled)."""
+        return self.size // self.tiles if self.tiles else self.size
+
+    @property
     def span(self) -> int:
         """The root indices one copy spans."""
-        return -(-(self.size // self.tiles) // self.rep) * self.scale
+        return -(-self.tile_size // self.rep) * self.scale
 
     def __str__(self) -> str:
         extra = "".join(
@@ -85,7 +93,7 @@ class Layout:
             if v != (0 if k == "+" else 1)
         ) + (" cover" if self.cover else "") + (
             f" x{self.copies}/{self.period}" if self.copies > 1 else "") + (
-            f" tiles={self.tiles}" if self.tiles > 1 else "")
+            f" tiles={self.tiles or '*'}" if self.tiles != 1 else "")
         return f"{self.root}[{self.size}{' ' + extra if extra else ''}]"
 
 
@@ -216,6 +224,8 @@ class Specs:
         return hit
 
     def _compute(self, layout: Layout) -> tuple[Ranges, ...]:
+        if layout.tiles == 0:  # a symbolic number of tiles: the ranges within each one
+            return self.ranges(replace(layout, tiles=1))
         if layout.tiles > 1:  # each tile holds what one untiled dim holds
             tile = layout.size // layout.tiles
             one = self.ranges(replace(layout, size=tile, tiles=1))
@@ -258,10 +268,12 @@ class Specs:
         return sum(e - s for r in self.ranges(layout) for s, e in r) > layout.size
 
     def same(self, a: Layout, b: Layout) -> bool:
-        return a.size == b.size and self.ranges(a) == self.ranges(b)
+        return a.size == b.size and a.tiles == b.tiles and self.ranges(a) == self.ranges(b)
 
     def contains(self, outer: Layout, inner: Layout) -> bool:
         """Each rank's ``inner`` indices are among its ``outer`` indices (a local slice suffices)."""
+        if (outer.tiles == 0) != (inner.tiles == 0):  # ranges within a tile vs of the whole dim
+            return False
         for ro, ri in zip(self.ranges(outer), self.ranges(inner)):
             for s, e in ri:
                 if not any(os <= s and e <= oe for os, oe in ro):

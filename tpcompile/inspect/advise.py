@@ -108,8 +108,9 @@ def _local_bytes(value, placement, trace: RewriteTrace) -> int:
         if not isinstance(v, torch.Tensor):
             continue
         shape = [int(s) for s in v.shape]
-        if isinstance(p, Shard):
-            shape[p.dim] = trace.plan.specs.local_size(p.layout, 0)
+        if isinstance(p, Shard):  # a symbolic count of tiles: as many as the example holds
+            tiles = shape[p.dim] // p.layout.tile_size if p.layout.tiles == 0 else 1
+            shape[p.dim] = tiles * trace.plan.specs.local_size(p.layout, 0)
         total += math.prod(shape) * v.dtype.itemsize
     return total
 

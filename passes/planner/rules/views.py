@@ -12,8 +12,8 @@ from torch import fx
 
 from tpcompile.core.placement import Layout, Replicate, Shard
 from tpcompile.passes.planner.dims import (
-    chunk_layout, merge_layout, norm_dim, shape, split_layout, sub_layout, tile_layout,
-    untile_layout, val, view_groups,
+    chunk_layout, merge_layout, norm_dim, shape, size_expr, split_layout, sub_layout,
+    tile_layout, untile_layout, val, view_groups,
 )
 from tpcompile.passes.planner.rules import is_view, register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
@@ -36,11 +36,25 @@ def _local_shape_arg(index):
     """Rewrite the shape list at ``args[index]``: each sharded output dim gets its local size."""
     def localize(node, local):
         sizes = list(node.args[index])
-        for d, size in local.sharded_out_dims(node):
-            if isinstance(sizes[d], int) and sizes[d] != -1:
-                sizes[d] = size
+        for p in local.out_placements(node):
+            if not isinstance(p, Shard) or (isinstance(sizes[p.dim], int) and sizes[p.dim] == -1):
+                continue
+            if p.layout.tiles == 0:  # (batch * heads) with a symbolic batch: tiles of the shard
+                sizes[p.dim] = _local_tiles(node, sizes[p.dim], p.layout, local.local_size(p))
+            elif isinstance(sizes[p.dim], int):
+                sizes[p.dim] = local.local_size(p)
         local.set_arg(node, index, sizes)
     return localize
+
+
+def _local_tiles(node: fx.Node, size: fx.Node, layout: Layout, local_tile: int) -> fx.Node:
+    """The rank's size of a dim of a symbolic number of tiles: ``size // tile * local_tile``,
+    computed next to ``node`` from the global size the graph already holds."""
+    if not isinstance(size, fx.Node):
+        raise AssertionError(f"{node.name}: a symbolic count of tiles with a static size {size}")
+    with node.graph.inserting_before(node):
+        count = node.graph.call_function(operator.floordiv, (size, layout.tile_size))
+        return node.graph.call_function(operator.mul, (count, local_tile))
 
 
 def _map_view(node, p: Shard):
@@ -58,9 +72,11 @@ def _map_view(node, p: Shard):
             return None
         if len(real_in) == 1 and len(real_out) == 1:
             return Shard(real_out[0], p.layout)
-        if p.layout.tiles > 1:  # only (tiles, sharded) again
+        if p.layout.tiles != 1:  # only (tiles, sharded) again
             return Shard(real_out[1], untile_layout(p.layout)) if (
-                len(real_in) == 1 and len(real_out) == 2 and dst[real_out[0]] == p.layout.tiles) else None
+                len(real_in) == 1 and len(real_out) == 2
+                and size_expr(dst[real_out[1]]) == p.layout.tile_size
+                and (not p.layout.tiles or size_expr(dst[real_out[0]]) == p.layout.tiles)) else None
         if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
             inner = math.prod(dst[d] for d in real_out[1:])
             lead = real_out[0]
@@ -70,9 +86,9 @@ def _map_view(node, p: Shard):
                 if chunked is not None:
                     return Shard(real_out[1], chunked)
             return Shard(lead, split_layout(p.layout, dst[lead], inner))
-        others = [d for d in real_in if d != p.dim]
-        if len(real_out) == 1 and all(isinstance(src[d], int) for d in others):
-            k = real_in.index(p.dim)
+        k = real_in.index(p.dim)
+        if len(real_out) == 1 and all(isinstance(src[d], int) for d in real_in[k + 1:]):
+            # whole dims in front may be symbolic (a dynamic batch): a symbolic count of tiles
             outer, inner = (math.prod(src[d] for d in part) for part in (real_in[:k], real_in[k + 1:]))
             return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer))
         return None
@@ -82,15 +98,15 @@ def _map_view(node, p: Shard):
 def _picked_apart(node: fx.Node, dim: int, depth: int = 4) -> bool:
     """Whether dim ``dim`` of ``node`` is taken apart index by index (unbind, select) by its
     users, following it through ops that only move dims."""
-    n = len(shape(node))
+    n, size = len(shape(node)), size_expr(shape(node)[dim])
     for user in node.users:
         if user.args[0] is not node:
             continue
         if user.target in (aten.unbind.int, aten.select.int):
             if norm_dim(user.args[1] if len(user.args) > 1 else 0, n) == dim:
                 return True
-        elif depth and is_view(user):
-            moved = _maps(user, Shard(dim, Layout("", int(shape(node)[dim]))))
+        elif depth and is_view(user) and isinstance(size, int):  # int(): no guard on a symbol
+            moved = _maps(user, Shard(dim, Layout("", size)))
             if moved is not None and _picked_apart(user, moved.dim, depth - 1):
                 return True
     return False
@@ -183,7 +199,7 @@ def _map_dim(node, p: Shard):
         if not isinstance(r, int):
             return None
         return Shard(d + lead, p.layout if r == 1 else tile_layout(p.layout, r))
-    if p.layout.tiles > 1 and t in (aten.repeat_interleave.self_int, aten.unflatten.int,
+    if p.layout.tiles != 1 and t in (aten.repeat_interleave.self_int, aten.unflatten.int,
                                     aten.flatten.using_ints):
         return None  # the ops below that regroup the sharded dim assume no tiles
     if t is aten.repeat_interleave.self_int:
@@ -268,7 +284,7 @@ def _split(op):
     dim = norm_dim(op.node.args[2] if len(op.node.args) > 2 else 0, n)
     if dim != p.dim:
         return [p] * len(outs)
-    if p.layout.tiles > 1:  # chunks of a tiled dim cut across tiles: gathered
+    if p.layout.tiles != 1:  # chunks of a tiled dim cut across tiles: gathered
         op.require(x, Replicate())
         return [Replicate()] * len(outs)
     chunks, start = [], 0
