@@ -23,12 +23,13 @@ Per family:
   replicated`` where *sharded* is what a Megatron plan cuts: 2-D (and stacked 3-D expert)
   weights inside the repeated blocks that are not norms or embeddings, except MoE routers, MLA's
   low-rank down projections, DeepSeek sparse attention's indexer and, where KV heads are fewer
-  than ranks, the separate K / V projections (``_megatron_shards``);
+  than ranks, the separate K / V projections and the k / v rows of a fused qkv
+  (``_megatron_shards``);
 * *collectives vs bound*: per layer forward / backward all-reduces against Megatron's 2 / 2,
   plus 1 backward per replicated weight whose gradient is all-reduced inside a layer when
-  Megatron replicates it too (MQA/GQA K and V: +2; an MoE router, or the routing weights'
-  gradient synced once at the router (``gate`` / ``router``): +1; per-head q / k norms:
-  +2), and 1 forward + 1 backward per norm over sharded features (OLMo 2's whole-projection
+  Megatron replicates it too (MQA/GQA K and V: +2, a fused qkv's k / v rows: +1; an MoE
+  router, or the routing weights' gradient synced once at the router (``gate`` /
+  ``router``): +1; per-head q / k norms: +2), and 1 forward + 1 backward per norm over sharded features (OLMo 2's whole-projection
   q/k norms, BitNet's sub-norms: the statistic and its gradient); a parallel attention + MLP
   block under the bound (2 / 1) counts as at it;
 * *gathers / fallbacks*: every all-gather or reduce-scatter, every op without a sharding rule;
@@ -251,14 +252,22 @@ def _in_block(fqn: str) -> bool:
     return re.search(r"(^|\.)\d+\.", fqn) is not None
 
 
+# one Linear for q, k and v: under MQA / GQA with fewer KV heads than ranks Megatron keeps the
+# k / v rows whole, as it does separate K / V projections (``_megatron_shards``)
+_FUSED_QKV = re.compile(r"(^|\.)(c_attn|query_key_value|qkv_proj|Wqkv|W_pack|qkv)\.weight$")
+
+
 def _megatron_shards(cfg, world_size: int):
-    kv_heads = _get(cfg, "num_key_value_heads")
+    """``sharded(fqn, entry)``: the fraction of a weight a Megatron plan cuts (0, 1, or the
+    query rows of a fused qkv whose k / v rows it keeps whole)."""
+    kv_heads = _get(cfg, "num_key_value_heads") or (1 if _get(cfg, "multi_query") else None)
+    heads = _get(cfg, "num_attention_heads")
     n_experts = next((_get(cfg, k) for k in ("num_experts", "num_local_experts",
                                              "n_routed_experts", "moe_num_experts")
                       if isinstance(_get(cfg, k), int)), None)
     replicated_kv = kv_heads is not None and kv_heads < world_size
 
-    def sharded(fqn: str, e) -> bool:
+    def sharded(fqn: str, e) -> float:
         if not _in_block(fqn) or len(e.global_shape) not in (2, 3):
             return False
         if _NORM.search(fqn) or _EMBED.search(fqn):
@@ -272,6 +281,8 @@ def _megatron_shards(cfg, world_size: int):
             return False  # nothing to split (a shared-expert gate with 1 output)
         if replicated_kv and _KV.search(fqn):
             return False
+        if replicated_kv and heads and _FUSED_QKV.search(fqn):
+            return heads / (heads + 2 * kv_heads)
         if _MLA_DOWN.search(fqn) or _DSA_INDEXER.search(fqn):
             return False
         return True
@@ -363,8 +374,10 @@ def _measure(name: str, numerics: bool, mode: str) -> dict:
     row["collectives"] = dict(Counter(
         f"{c.phase} {c.op} at {_fold(c.module) or 'top level'} ({re.sub(r'_[0-9]+$', '', c.node)})"
         for c in report.collectives))
+    # replicated weights, and fused ones whose replicated rows Megatron keeps whole too
     row["grad_synced"] = sorted({_fold(fqn) for fqn, p in report.params.items()
-                                 if p.trainable and p.grad_sync and p.style == "replicate"})
+                                 if p.trainable and p.grad_sync and (
+                                     p.style == "replicate" or 0 < megatron_sharded(fqn, p) < 1)})
     row["kept_replicated"] = sorted({f"{_fold(k['module']) or 'top level'}: {k['reason']}"
                                      for k in report.kept_replicated})
     off = {}

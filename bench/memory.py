@@ -131,13 +131,16 @@ def ideal_split(report, sharded=lambda fqn, entry: entry.style != "replicate") -
     """(sharded, replicated) trainable parameter bytes of ``report``, each tensor once.
 
     ``sharded(fqn, entry)`` says which side a tensor is on: by default the plan's own styles;
-    ``bench/idioms.py`` passes what a Megatron-style plan would shard instead.
+    ``bench/idioms.py`` passes what a Megatron-style plan would shard instead (a fraction: the
+    part of a fused weight it cuts).
     """
     unique = {tuple(e.aliases): (name, e) for name, e in report.params.items() if e.trainable}
-    split = [0, 0]
+    split = [0.0, 0.0]
     for name, e in unique.values():
         size = math.prod(e.global_shape) * getattr(torch, e.dtype).itemsize
-        split[0 if sharded(name, e) else 1] += size
+        cut = float(sharded(name, e))
+        split[0] += size * cut
+        split[1] += size * (1 - cut)
     return split[0], split[1]
 
 

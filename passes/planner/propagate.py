@@ -136,6 +136,14 @@ class OpView:
         if (lo not in cuts or hi not in cuts) and demand not in self._demands:
             raise Misaligned(demand)
 
+    def require_whole(self, layout: Layout, reason: str) -> None:
+        """The root indices ``layout`` covers are kept whole on every rank (MQA's k / v chunk
+        of a fused qkv: each rank slices the heads its query heads read)."""
+        lo, hi = layout.covered()
+        demand = Demand(layout.root, lo, hi, replicate=True, reason=reason)
+        if demand not in self._demands:
+            raise Misaligned(demand)
+
     def unify(self, items: list[tuple[fx.Node, Layout]]) -> Layout:
         """One layout for operands sharded on the same label; the rest get converted to it."""
         target = items[0][1]
@@ -275,9 +283,12 @@ def _chain(node: fx.Node, follows, users_of) -> list[fx.Node]:
 
 
 def local_slice(specs: Specs, src, dst) -> bool:
-    """Converting ``src`` to ``dst`` needs no communication: each rank already holds its part."""
-    return (isinstance(src, Shard) and isinstance(dst, Shard) and src.dim == dst.dim
-            and specs.contains(src.layout, dst.layout))
+    """Converting ``src`` to ``dst`` needs no communication: each rank already holds its part
+    (a shard of a block too small to split is whole on every rank: MQA's k / v chunk of a
+    fused qkv, cut later by the query heads that read it)."""
+    return (isinstance(src, Shard) and isinstance(dst, Shard)
+            and (src.dim == dst.dim and specs.contains(src.layout, dst.layout)
+                 or specs.is_full(src.layout)))
 
 
 def _same(specs: Specs, a, b) -> bool:

@@ -66,7 +66,11 @@ class _Converter:
                 x = g.call_function(gather, (x, src.dim) + args + (ws, self.group))
             return x
         assert isinstance(dst, Shard), dst
-        if isinstance(src, Shard) and (src.dim != dst.dim or not self.specs.contains(src.layout, dst.layout)):
+        if isinstance(src, Shard) and self.specs.is_full(src.layout):
+            # whole on every rank (a block too small to split): sliced, each rank's gradient
+            # its part, as the block's gradient sync expects
+            src = Replicate()
+        elif isinstance(src, Shard) and (src.dim != dst.dim or not self.specs.contains(src.layout, dst.layout)):
             x = self.convert(x, src, Replicate(), sum_grads)  # re-shard: gathered, then sliced
             src = Replicate()
         held = self.local_held(src, dst.layout.size)

@@ -36,6 +36,12 @@ def _sdpa(op):
     mask = op.node.args[3] if len(op.node.args) > 3 else op.node.kwargs.get("attn_mask")
     hq, hk = shape(q)[-3], shape(k)[-3]
     pq = op.placement(q)
+    if isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3:
+        for x in (k, v):  # cut inside each head, while q is cut by heads: keep k / v whole
+            p = op.placement(x)
+            if isinstance(p, Shard) and p.dim == len(shape(x)) - 1 and not op.specs.is_full(p.layout):
+                op.require_whole(p.layout, f"{x.name} is cut inside its heads while the query "
+                                           "heads are cut: each rank reads whole kv heads")
     causal = op.node.args[5] if len(op.node.args) > 5 else op.node.kwargs.get("is_causal", False)
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
         # is_causal masks by *local* query index: query rows cut by position (sequence
