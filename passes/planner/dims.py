@@ -52,10 +52,34 @@ def _is_one(s) -> bool:
 def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
     """Pair up dims of a reshape: [(src_dims, dst_dims)], each group having equal products.
 
-    Size-1 dims form their own (possibly one-sided) groups. Returns None if the shapes do not
-    line up, which the caller treats as "cannot follow the shard through this view".
+    Size-1 dims form their own (possibly one-sided) groups. Where symbolic sizes defeat the
+    pairing (a length padded to whole chunks, ``(L + pad) // 256``), the dims equal at both ends
+    still pair one to one and the rest form one group: in row-major order a reshape that keeps
+    its leading and trailing sizes keeps those dims. Returns None if the shapes do not line up,
+    which the caller treats as "cannot follow the shard through this view".
     """
     a, b = [size_expr(s) for s in src], [size_expr(s) for s in dst]
+    paired = _paired(a, b)
+    if paired is None and not all(isinstance(s, int) for s in a + b):
+        return _ends_paired(a, b)  # static sizes that do not pair are no view at all
+    return paired
+
+
+def _ends_paired(a: list, b: list) -> list[tuple[list[int], list[int]]] | None:
+    n = min(len(a), len(b))
+    lead = next((i for i in range(n) if not _equal(a[i], b[i])), n)
+    trail = next((i for i in range(n - lead) if not _equal(a[-1 - i], b[-1 - i])), n - lead)
+    if lead + trail == len(a) == len(b):
+        return [([i], [i]) for i in range(len(a))]
+    middle = (list(range(lead, len(a) - trail)), list(range(lead, len(b) - trail)))
+    if not middle[0] or not middle[1]:
+        return None
+    return ([([i], [i]) for i in range(lead)] + [middle]
+            + [([len(a) - trail + i], [len(b) - trail + i]) for i in range(trail)])
+
+
+def _paired(a: list, b: list) -> list[tuple[list[int], list[int]]] | None:
+    """Left to right: each group grows on the side whose product is smaller until they meet."""
     groups, i, j = [], 0, 0
     while i < len(a) or j < len(b):
         if i < len(a) and _is_one(a[i]):
