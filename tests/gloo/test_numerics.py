@@ -98,3 +98,11 @@ def test_merged_batch_and_heads_gather_tile_by_tile(results, ws):
     assert "cumprod" in c["fallbacks"]
     assert c["styles"]["qkv.weight"] == "colwise" and c["styles"]["proj.weight"] == "rowwise"
     assert c["collectives"]["forward"] == {"all_gather": 1, "all_reduce": 1}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_groups_repeated_to_heads_stay_cut(results, ws):
+    """repeat_interleave(..., output_size=heads) on a groups shard: the projections stay column
+    -> row (its numerics: the tests above; a global output_size made the ranks raise)."""
+    styles = cases(results, ws, "groups_repeated_to_heads")[0]["styles"]
+    assert styles["b.weight"] == styles["x.weight"] == "colwise" and styles["out.weight"] == "rowwise"

@@ -57,6 +57,27 @@ class MergedHeadsUnruledOp(nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+class GroupsRepeatedToHeads(nn.Module):
+    """Mamba-2's B and C: 4 groups repeated to 8 heads by ``repeat_interleave(..., dim=2,
+    output_size=8)``, multiplied into the heads of another projection; cut by groups, the
+    promised ``output_size`` is the rank's."""
+
+    def __init__(self, dim=32, groups=4, heads=8, head_dim=4):
+        super().__init__()
+        self.groups, self.heads, self.head_dim = groups, heads, head_dim
+        self.b = nn.Linear(dim, groups * head_dim, bias=False)
+        self.x = nn.Linear(dim, heads * head_dim, bias=False)
+        self.out = nn.Linear(heads * head_dim, dim, bias=False)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        b = self.b(x).view(B, T, self.groups, self.head_dim)
+        b = b.repeat_interleave(self.heads // self.groups, dim=2, output_size=self.heads)
+        y = self.x(x).view(B, T, self.heads, self.head_dim) * torch.sigmoid(b)
+        return x + self.out(y.reshape(B, T, -1))
+
+
 class FreshBufferKeys(nn.Module):
     """MLA's ``expand_kv``: each head's key is its own part and a part every head shares,
     written into a ``new_empty`` buffer by ``copy_`` into slices (the shared part broadcast)."""
@@ -119,6 +140,7 @@ CASES = {
     # the scores go through an op without a sharding rule: gathered there, still exact
     "unknown_op_fallback": (UnruledOpAttention, {}),
     "merged_heads_fallback": (MergedHeadsUnruledOp, {}),
+    "groups_repeated_to_heads": (GroupsRepeatedToHeads, {}),
     # in-place writes into buffers the model makes itself, planned out of place
     "fresh_buffer_copy": (FreshBufferKeys, {}),
     "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),

@@ -72,11 +72,8 @@ def _map_view(node, p: Shard):
             return None
         if len(real_in) == 1 and len(real_out) == 1:
             return Shard(real_out[0], p.layout)
-        if p.layout.tiles != 1:  # only (tiles, sharded) again
-            return Shard(real_out[1], untile_layout(p.layout)) if (
-                len(real_in) == 1 and len(real_out) == 2
-                and size_expr(dst[real_out[1]]) == p.layout.tile_size
-                and (not p.layout.tiles or size_expr(dst[real_out[0]]) == p.layout.tiles)) else None
+        if p.layout.tiles != 1:
+            return _untile(p, src, dst, real_in, real_out)
         if len(real_in) == 1 and all(isinstance(dst[d], int) for d in real_out[1:]):
             inner = math.prod(dst[d] for d in real_out[1:])
             lead = real_out[0]
@@ -93,6 +90,21 @@ def _map_view(node, p: Shard):
             return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer))
         return None
     return None
+
+
+def _untile(p: Shard, src, dst, real_in, real_out):
+    """A tiled dim (and whole dims after it) viewed as (tiles..., sharded [* inner]): the
+    shard lands on the last output dim, merged with the inner dims (``(B * T * H, d)`` back
+    to ``(B, T, H * d)``); None for any other regrouping."""
+    if real_in[0] != p.dim or len(real_out) < 2 or not all(isinstance(src[d], int) for d in real_in[1:]):
+        return None
+    inner = math.prod(src[d] for d in real_in[1:])
+    outer = [size_expr(dst[d]) for d in real_out[:-1]]
+    if size_expr(dst[real_out[-1]]) != p.layout.tile_size * inner or (
+            p.layout.tiles and not (all(isinstance(o, int) for o in outer)
+                                    and math.prod(outer) == p.layout.tiles)):
+        return None
+    return Shard(real_out[-1], merge_layout(untile_layout(p.layout), inner))
 
 
 def _picked_apart(node: fx.Node, dim: int, depth: int = 4) -> bool:
@@ -252,6 +264,11 @@ def _localize_dim_op(node, local):
         (p,) = local.out_placements(node)
         sizes[0] = local.local_size(p)
         local.set_arg(node, 2, sizes)
+    elif (node.target is aten.repeat_interleave.self_int and node.kwargs.get("output_size") is not None
+          and len(node.args) > 2 and local.input_sharded_on(node, node.args[2])):
+        # the repeated dim is the rank's: so is the size the caller promised for it
+        (p,) = local.out_placements(node)
+        node.kwargs = {**node.kwargs, "output_size": local.local_size(p)}
     elif node.target in SQUEEZES and isinstance(local.consumed(node.args[0], node), Shard):
         # a rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims
         # that are 1 long in the whole tensor
