@@ -28,6 +28,7 @@ marked for a gradient all-reduce (Megatron's *f*), one per value however many co
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import networkx as nx
@@ -60,6 +61,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
     constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
+    needs_grad = _needs_grad(gm, cap.params)
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)
         fresh = [d for d in state.demands if d not in constraints.demands]
@@ -76,7 +78,8 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
             constraints.cache_cuts.update(cuts)
             continue
         dead = _dead_regions(state, options)
-        dead.update((r, why) for r, why in _written_copies(gm, state, cap.params).items() if r not in dead)
+        dead.update((r, why) for r, why in _written_copies(gm, state, cap.params, needs_grad).items()
+                    if r not in dead)
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
         if dead:
             constraints.killed.update(dead)
@@ -205,18 +208,47 @@ def _statistics_beyond_one_chain(component, reductions) -> str | None:
             "chain (one partial sum, reduced whole)")
 
 
-def _written_copies(gm: fx.GraphModule, state: Propagation, params) -> dict[str, str]:
+def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: set) -> dict[str, str]:
     """Roots whose sharded data an in-place op would write on a copy of: root -> why.
 
+    The copy is a conversion, or the gradient sync (Megatron's *f*) through which a sharded
+    region reads a replicated value: then the region's roots are the ones that make it.
     Keeping them replicated makes the write land where the unsharded model's does.
     """
+    @functools.cache
+    def syncs() -> dict:  # only models with in-place writes ask
+        return _grad_syncs(gm, state, needs_grad)
+
+    def copied(value, user) -> bool:
+        if (value, user) in state.conversions:
+            return not _cache_slice(value, user, state, params)
+        return value.name in syncs()
+
     out = {}
-    for c in write_conflicts(gm, lambda value, user: (value, user) in state.conversions
-                             and not _cache_slice(value, user, state, params)):
-        for node in [c.edge[0]] + c.chain:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for c in write_conflicts(gm, copied):
+        value = c.edge[0]
+        readers = _sharded_readers(state, [nodes[u] for u in syncs().get(value.name, ())])
+        for node in [value] + c.chain + readers:
             for root in _roots_behind(state, node, set()):
                 out.setdefault(root, f"{c.op.name} ({c.op.target}) writes into its sharded data "
                                      "in place; sharded, the write would land on a copy")
+    return out
+
+
+def _sharded_readers(state: Propagation, nodes: list[fx.Node]) -> list[fx.Node]:
+    """The first distributed values downstream of ``nodes`` through replicated ones: where a
+    synced value's gradient becomes partial (the sync may sit above them, at a fork)."""
+    out, todo, seen = [], list(nodes), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(state.placements.get(node), Replicate):
+            todo.extend(node.users)
+        else:
+            out.append(node)
     return out
 
 
