@@ -83,18 +83,11 @@ def test_uneven_shards_are_real_shards(results, ws):
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_unknown_op_is_gathered_visibly(results, ws):
-    c = cases(results, ws, "unknown_op_fallback")[0]
-    assert "cumprod" in c["fallbacks"]
-    assert c["styles"]["qkv.weight"] == "colwise" and c["styles"]["proj.weight"] == "rowwise"
-    assert c["collectives"]["forward"] == {"all_gather": 1, "all_reduce": 1}
-
-
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_merged_batch_and_heads_gather_tile_by_tile(results, ws):
-    """(B * H) scores with a symbolic B: gathered for the unruled op, cut again for the values'
-    bmm, the projections still column -> row (its numerics: the tests above)."""
-    c = cases(results, ws, "merged_heads_fallback")[0]
+@pytest.mark.parametrize("name", ["unknown_op_fallback", "merged_heads_fallback"])
+def test_unknown_op_is_gathered_visibly(results, ws, name):
+    """Gathered for the op without a rule, the projections still column -> row; with batch and
+    heads merged (a symbolic B) the scores are gathered and cut again tile by tile."""
+    c = cases(results, ws, name)[0]
     assert "cumprod" in c["fallbacks"]
     assert c["styles"]["qkv.weight"] == "colwise" and c["styles"]["proj.weight"] == "rowwise"
     assert c["collectives"]["forward"] == {"all_gather": 1, "all_reduce": 1}

@@ -35,17 +35,10 @@ class UnruledOpAttention(nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class MergedHeadsUnruledOp(nn.Module):
+class MergedHeadsUnruledOp(UnruledOpAttention):
     """Batch and heads merged (``reshape(B * H, T, d)``: BART's bmm attention) with a dynamic
     batch, and an op without a sharding rule on the merged scores: they are gathered tile by
     tile, and cut again where they meet the head-sharded values."""
-
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
 
     def forward(self, x):
         B, T, C = x.shape
