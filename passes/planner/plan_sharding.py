@@ -225,8 +225,9 @@ def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: 
         return value.name in syncs()
 
     out = {}
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for c in write_conflicts(gm, copied):
+    conflicts = write_conflicts(gm, copied)
+    nodes = {n.name: n for n in gm.graph.nodes} if conflicts else {}
+    for c in conflicts:
         value = c.edge[0]
         readers = _sharded_readers(state, [nodes[u] for u in syncs().get(value.name, ())])
         for node in [value] + c.chain + readers:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import operator
-from dataclasses import replace
 
 import torch
 from torch import fx
@@ -22,6 +21,7 @@ from tpcompile.core.placement import Partial, Replicate, Shard, Specs, positions
 from tpcompile.core.shards import gather_args
 from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.plan import ShardingPlan
+from tpcompile.passes.planner.dims import untile_layout
 
 aten = torch.ops.aten
 
@@ -77,25 +77,26 @@ class _Converter:
         wanted = self.specs.ranges(dst.layout)[self.rank]
         return _slices(g, x, dst.dim, positions(held, wanted), sum(e - s for s, e in held))
 
-
     def _convert_tiles(self, x: fx.Node, src, dst, sum_grads: bool) -> fx.Node:
         """A dim of a symbolic number of tiles (``batch * heads``, dynamic batch) converts tile
         by tile: viewed as (tiles, tile), its tile dim converts as any shard, then merges back."""
-        g = self.g
         if _symbolic_tiles(src):
-            d, tile = src.dim, replace(src.layout, tiles=1)
-            x = g.call_function(aten.unflatten.int, (x, d, [-1, self.specs.local_size(tile, self.rank)]))
-            x = self.convert(x, Shard(d + 1, tile), Replicate(), sum_grads)
-            x = g.call_function(aten.flatten.using_ints, (x, d, d + 1))
+            tile = untile_layout(src.layout)
+            x = self._per_tile(x, src.dim, self.specs.local_size(tile, self.rank),
+                               lambda t: self.convert(t, Shard(src.dim + 1, tile), Replicate(), sum_grads))
             src = Replicate()
         elif isinstance(src, Shard):  # another dim's shard: gathered first
             x, src = self.convert(x, src, Replicate(), sum_grads), Replicate()
         if not _symbolic_tiles(dst):
             return self.convert(x, src, dst, sum_grads)
-        d, tile = dst.dim, replace(dst.layout, tiles=1)
-        x = g.call_function(aten.unflatten.int, (x, d, [-1, tile.size]))
-        x = self.convert(x, src, Shard(d + 1, tile), sum_grads)
-        return g.call_function(aten.flatten.using_ints, (x, d, d + 1))
+        tile = untile_layout(dst.layout)
+        return self._per_tile(x, dst.dim, tile.size,
+                              lambda t: self.convert(t, src, Shard(dst.dim + 1, tile), sum_grads))
+
+    def _per_tile(self, x: fx.Node, dim: int, tile_size: int, convert) -> fx.Node:
+        """``convert`` applied to ``x`` with ``dim`` viewed as (tiles, ``tile_size``)."""
+        x = self.g.call_function(aten.unflatten.int, (x, dim, [-1, tile_size]))
+        return self.g.call_function(aten.flatten.using_ints, (convert(x), dim, dim + 1))
 
 
 def _symbolic_tiles(p) -> bool:
