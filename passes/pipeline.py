@@ -48,9 +48,21 @@ __all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES",
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
 
-# graph -> graph, before the planner: the planner sees matmuls without biases, and writes
-# into buffers the graph makes itself as values (out of place)
-PLANNING_PASSES: list[Pass] = [("split_bias", split_bias_pass),
+
+
+def drop_dead_code_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Pure ops nothing reads are dropped: torch.export keeps them, e.g. the arguments
+    transformers' Mamba-2 mixers evaluate for a fused kernel that returns None on CPU
+    (``conv1d.weight.squeeze(1)``), which would otherwise count as a second use of the weight.
+    Parameters and buffers stay (``get_attr`` nodes are kept whether read or not)."""
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_function" or n.is_impure())
+    return gm
+
+
+# graph -> graph, before the planner: the planner sees no dead code, matmuls without biases,
+# and writes into buffers the graph makes itself as values (out of place)
+PLANNING_PASSES: list[Pass] = [("drop_dead_code", drop_dead_code_pass),
+                               ("split_bias", split_bias_pass),
                                ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]
 # one rank's rewrite, in order: (name, pass, the parts of the rank's context it takes)
 REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [
