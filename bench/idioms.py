@@ -84,7 +84,7 @@ def measure(name: str, world_size: int) -> dict:
     except Exception as e:  # noqa: BLE001 - an idiom tpcompile cannot plan is a measurement
         return {**row, "status": _first_line(e), "seconds": time.perf_counter() - start}
     static = any("accepts only" in str(w.message) for w in caught)
-    sharded, replicated = ideal_split(report, lambda fqn, _: expect.style(fqn) != "replicate")
+    sharded, replicated = ideal_split(report, lambda fqn, _: expect.cut(fqn))
     ideal = sharded / world_size + replicated
     actual = max(report.param_bytes_per_rank)
     layers = [m for m in report.megatron if m.layer]

@@ -53,6 +53,9 @@ class Expect:
     bwd_allreduce_per_layer: int = 2
     kv: tuple[str, ...] = ()
     kv_heads: int = HEADS
+    # (glob, fraction): the part of a fused column-parallel weight Megatron keeps whole too
+    # (a Mamba-2 in_proj's B / C rows when there are fewer groups than ranks)
+    whole_part: tuple[tuple[str, float], ...] = ()
 
     def at(self, world_size: int) -> "Expect":
         """The plan for ``world_size`` ranks, with ``kv`` resolved (and emptied)."""
@@ -68,6 +71,12 @@ class Expect:
             if any(fnmatch(fqn, g) for g in globs):
                 return style
         return None
+
+    def cut(self, fqn: str) -> float:
+        """The fraction of ``fqn`` a Megatron plan shards (0 for a replicated one)."""
+        if self.style(fqn) == "replicate":
+            return 0.0
+        return 1.0 - next((f for g, f in self.whole_part if fnmatch(fqn, g)), 0.0)
 
 
 def _in_layers(*globs: str) -> tuple[str, ...]:
@@ -346,6 +355,22 @@ class TimmQKV(Attention):
         return self.output(self.attend(q, k, v).transpose(1, 2))
 
 
+class FusedMQA(Attention):
+    """GPT-BigCode: one c_attn Linear(D, D + 2 * head_dim) for 8 query heads and ONE kv head,
+    split into q and k / v, the kv head expanded to the query heads."""
+
+    def init_projections(self, linear):
+        self.wqkv = linear(D, D + 2 * self.head_dim, bias=False)
+        self.wo = linear(D, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([D, self.head_dim, self.head_dim], dim=-1)
+        k, v = (t.view(B, T, 1, self.head_dim).expand(B, T, self.n_heads, self.head_dim)
+                for t in (k, v))
+        return q.view(B, T, self.n_heads, self.head_dim), k, v
+
+
 class SlicedQKV(Attention):
     """Phi-3: one qkv_proj for 8 query and 4 kv heads, cut at head offsets by slices
     (``qkv[..., :query_pos]``), so the q, k and v chunks have different sizes."""
@@ -512,6 +537,45 @@ class SelectiveScan(nn.Module):
         return self.out_proj((y * F.silu(z)).transpose(1, 2))
 
 
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 in the attention's place, as transformers' Bamba / Zamba2 / Falcon-H1 write it:
+    one in_proj to (z, xBC, dt), a depthwise causal ``conv1d`` over xBC, split into x (heads x
+    head_dim) and B, C of ONE group every head reads (``repeat_interleave`` to the heads), the
+    SSD scan in its quadratic form (``C . B`` under each head's decay mask), a gated RMSNorm
+    over all of d_inner, out_proj."""
+
+    def __init__(self, d_inner: int = HIDDEN, n_heads: int = HEADS, d_state: int = 16,
+                 kernel: int = 4):
+        super().__init__()
+        self.sizes = [d_inner, d_inner + 2 * d_state, n_heads]
+        self.in_proj = nn.Linear(D, sum(self.sizes), bias=False)
+        conv = self.sizes[1]
+        self.conv1d = nn.Conv1d(conv, conv, kernel, groups=conv, padding=kernel - 1)
+        self.dt_bias = nn.Parameter(torch.linspace(-2.0, -1.0, n_heads))
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 2.0, n_heads)))
+        self.D = nn.Parameter(torch.ones(n_heads))
+        self.norm = RMSNorm(d_inner)
+        self.out_proj = nn.Linear(d_inner, D, bias=False)
+        self.d_inner, self.n_heads, self.d_state = d_inner, n_heads, d_state
+
+    def forward(self, hidden):
+        B, T, _ = hidden.shape
+        z, xbc, dt = self.in_proj(hidden).split(self.sizes, dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :T]).transpose(1, 2)
+        x, b, c = torch.split(xbc, [self.d_inner, self.d_state, self.d_state], dim=-1)
+        x = x.view(B, T, self.n_heads, -1)
+        b, c = (t.view(B, T, 1, self.d_state).repeat_interleave(self.n_heads, dim=2,
+                                                                 output_size=self.n_heads)
+                for t in (b, c))
+        dt = F.softplus(dt + self.dt_bias)  # (B, T, heads)
+        cum = torch.cumsum(-torch.exp(self.A_log) * dt, dim=1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        decay = (cum[:, :, None] - cum[:, None]).masked_fill(~causal[..., None], -math.inf).exp()
+        scores = torch.einsum("bthn,bshn->btsh", c, b) * decay
+        y = torch.einsum("btsh,bshp->bthp", scores, x * dt[..., None]) + x * self.D[:, None]
+        return self.out_proj(self.norm(y.reshape(B, T, -1) * F.silu(z)))
+
+
 # ----------------------------------------------------------------- MLPs
 
 class RawParamSwiGLU(nn.Module):
@@ -624,6 +688,11 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
     ("fused_qkv_timm", lambda: LM(attn=TimmQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
     ("fused_qkv_slices", lambda: LM(attn=SlicedQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
+    # q's rows cut by heads, the kv head's rows whole on every rank (its gradient all-reduced
+    # once: backward +1), as a separate k / v projection of one head is
+    ("fused_qkv_mqa", lambda: LM(attn=FusedMQA),
+     attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
+                      whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
     ("einsum_qkv_3d", lambda: LM(attn=EinsumAttention),
      attention_expect(col=_in_layers("attn.wq", "attn.wk", "attn.wv"), row=_in_layers("attn.wo"))),
     ("mqa", lambda: LM(attn=partial(RepeatKV, n_kv_heads=1)),  # HF configs with 1 KV head
@@ -648,6 +717,17 @@ _REGISTRY = [
                                      "attn.A_log", "attn.D"),
                       row=_in_layers("attn.x_proj.weight", "attn.out_proj.weight"),
                       fwd_allreduce_per_layer=3, bwd_allreduce_per_layer=3)),
+    # x, z, dt and the per-head parameters cut by heads; B / C (one group) computed whole on
+    # every rank from in_proj's and conv1d's whole rows, whose gradients are all-reduced once
+    # (backward +1); the gated norm over all of d_inner all-reduces its statistic (+1 / +1)
+    ("mamba2_one_group", lambda: LM(attn=Mamba2Mixer),
+     attention_expect(col=_in_layers("attn.in_proj.weight", "attn.conv1d.*", "attn.dt_bias",
+                                     "attn.A_log", "attn.D", "attn.norm.weight"),
+                      row=_in_layers("attn.out_proj.weight"),
+                      whole_part=(("layers.*.attn.in_proj.weight", 32 / 296),
+                                  ("layers.*.attn.conv1d.weight", 32 / 160),
+                                  ("layers.*.attn.conv1d.bias", 32 / 160)),
+                      fwd_allreduce_per_layer=3, bwd_allreduce_per_layer=4)),
     ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),
     ("mlp_relu_squared", lambda: LM(mlp=ReluSquaredMLP),
@@ -676,6 +756,7 @@ STYLES = {
     "fused_qkv_unbind": "one qkv Linear, `view(B, T, 3, H, D).unbind(2)`",
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
     "fused_qkv_slices": "Phi-3 `qkv_proj` cut by uneven slices `qkv[..., :q_pos]` (8 q / 4 kv heads)",
+    "fused_qkv_mqa": "GPT-BigCode: one `c_attn` for 8 q heads and 1 kv head, `split`, kv `expand`ed",
     "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
     "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",
     "gqa_expand_reshape": "GQA 8 q / 4 kv heads, HF `repeat_kv` by expand + reshape",
@@ -685,6 +766,7 @@ STYLES = {
     "bmm_batch_heads_merged": "BART / XGLM: batch and heads merged, reshape(B * H, T, d) and bmm",
     "swiglu_linear": "SwiGLU with three `nn.Linear` (the baseline)",
     "mamba_selective_scan": "Mamba mixer: depthwise causal `conv1d`, `x_proj` split into dt / B / C, segment-sum scan",
+    "mamba2_one_group": "Mamba-2 (Bamba): fused in_proj to (z, xBC, dt), B / C of one group `repeat_interleave`d to the heads, `einsum` SSD, gated norm",
     "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
     "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",
     "swiglu_fused_gate_up": "one `gate_up_proj` Linear, `chunk(2, -1)`",

@@ -81,6 +81,8 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         dead.update((r, why) for r, why in _written_copies(gm, state, cap.params, needs_grad).items()
                     if r not in dead)
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
+        dead.update((r, why) for r, why in _whole_grads_into_chunks(gm, state, needs_grad).items()
+                    if r not in dead)
         if dead:
             constraints.killed.update(dead)
             continue
@@ -459,12 +461,18 @@ def _grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str,
     routing weights) become one.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    copies = _copies_of_whole_chunks(gm, state, needs_grad)
     partial: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node in needs_grad and isinstance(state.placements.get(node), Replicate):
+        if node in needs_grad and isinstance(state.placements.get(node), Replicate) and node not in copies:
             users = [u for u in node.users if _partial_grad_edge(state, node, u)]
             if users:
                 partial[node] = users
+    for node in copies:  # their partial gradient reaches replicated inputs outside the region
+        for a in node.all_input_nodes:
+            if (a in needs_grad and a not in copies and (a, node) not in state.conversions
+                    and isinstance(state.placements.get(a), Replicate)):
+                partial.setdefault(a, []).append(node)
     for node in reversed(gm.graph.nodes):
         up = _hoisted_to(state, node, partial.get(node, ()), needs_grad)
         if up is not None:
@@ -472,6 +480,57 @@ def _grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str,
             partial.setdefault(up, []).append(node)
     return {n.name: tuple(u.name for u in sorted(partial[n], key=order.__getitem__))
             for n in sorted(partial, key=order.__getitem__)}
+
+
+def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set) -> dict[fx.Node, bool]:
+    """Replicated values computed, with no conversion, from a chunk kept whole on every rank
+    (``require_whole``) or from such values -> whether every gradient they receive is partial.
+
+    A whole chunk is part of its region: each rank's gradient of it is a partial sum, which the
+    region's own gradient sync (at its column-parallel root's input) adds up. A value computed
+    from it (Mamba-2's ``C . B``) is the same while every consumer differentiates it partially;
+    one that something differentiates whole on every rank would be summed ``world_size`` times
+    (:func:`_whole_grads_into_chunks` keeps such regions replicated).
+    """
+    copies: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(state.placements.get(node), Replicate):
+            continue
+        if any((a, node) not in state.conversions and (a in copies or _whole_shard(state, a))
+               for a in node.all_input_nodes):
+            copies[node] = False
+    for node in reversed(list(copies)):
+        copies[node] = all(_partial_grad_edge(state, node, u) or copies.get(u, False)
+                           for u in node.users if u in needs_grad or u.op == "output")
+    return copies
+
+
+def _whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str, str]:
+    """Roots of whole chunks a replicated value computed from them hands a gradient that is
+    whole on every rank (read by replicated code that differentiates it): root -> why."""
+    out = {}
+    copies = _copies_of_whole_chunks(gm, state, needs_grad)
+    for node, partial in copies.items():
+        if partial or node not in needs_grad:
+            continue
+        todo, seen = [node], set()
+        while todo:
+            n = todo.pop()
+            for a in n.all_input_nodes:
+                if a in copies and a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+                elif _whole_shard(state, a):
+                    out.setdefault(state.placements[a].layout.root, (
+                        f"{node.name} ({origin(node)}) is computed from a chunk kept whole and "
+                        "differentiated whole on every rank: the region's gradient sync would "
+                        "count its gradient once per rank"))
+    return out
+
+
+def _whole_shard(state: Propagation, node: fx.Node) -> bool:
+    p = state.placements.get(node)
+    return isinstance(p, Shard) and state.specs.is_full(p.layout)
 
 
 def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node) -> bool:

@@ -136,13 +136,20 @@ class OpView:
         if (lo not in cuts or hi not in cuts) and demand not in self._demands:
             raise Misaligned(demand)
 
-    def require_whole(self, layout: Layout, reason: str) -> None:
-        """The root indices ``layout`` covers are kept whole on every rank (MQA's k / v chunk
+    def is_chunk(self, layout: Layout) -> bool:
+        """``layout`` is a proper part of a fused root (a ``chunk`` / ``split`` of its output)
+        not yet whole on every rank: a part that may be kept whole (:meth:`require_whole`)."""
+        return (layout.covered() != (0, self.specs.roots[layout.root].size)
+                and not self.specs.is_full(layout))
+
+    def require_whole(self, reason: str, *layouts: Layout) -> None:
+        """The root indices each layout covers are kept whole on every rank (MQA's k / v chunk
         of a fused qkv: each rank slices the heads its query heads read)."""
-        lo, hi = layout.covered()
-        demand = Demand(layout.root, lo, hi, replicate=True, reason=reason)
-        if demand not in self._demands:
-            raise Misaligned(demand)
+        demands = [d for d in (Demand(lay.root, *lay.covered(), replicate=True, reason=reason)
+                               for lay in layouts) if d not in self._demands]
+        if demands:
+            raise Misaligned(*demands)
+
 
     def unify(self, items: list[tuple[fx.Node, Layout]]) -> Layout:
         """One layout for operands sharded on the same label; the rest get converted to it."""

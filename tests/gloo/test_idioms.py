@@ -49,6 +49,10 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "mamba_selective_scan": (2, 4),
     # BART / XGLM: reshape(B * H, T, d) with a dynamic batch: a symbolic count of tiles
     "bmm_batch_heads_merged": (2, 4),
+    # a chunk of a fused weight its readers cannot cut like the rest is computed whole on every
+    # rank: GPT-BigCode's kv head of c_attn, Mamba-2's B / C of one group (and C . B over them)
+    "fused_qkv_mqa": (2, 4),
+    "mamba2_one_group": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -68,7 +72,7 @@ def test_plan_is_megatrons(name, world_size):
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged")
+                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group")
 
 
 def _numerics_params() -> list:

@@ -99,3 +99,13 @@ def test_groups_repeated_to_heads_stay_cut(results, ws):
     -> row (its numerics: the tests above; a global output_size made the ranks raise)."""
     styles = cases(results, ws, "groups_repeated_to_heads")[0]["styles"]
     assert styles["b.weight"] == styles["x.weight"] == "colwise" and styles["out.weight"] == "rowwise"
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_whole_chunk_differentiated_whole_stays_replicated(results, ws):
+    """A kv head every rank computes whole, also read by the residual stream: sharded, the
+    region's gradient sync would count the residual's gradient once per rank (gradient error
+    1.0); the planner keeps the fused weight whole and says why (its numerics: above)."""
+    c = cases(results, ws, "whole_kv_read_whole")[0]
+    assert c["styles"]["qkv.weight"] == "replicate"
+    assert "differentiated whole on every rank" in c["reasons"]["qkv.weight"]

@@ -71,6 +71,29 @@ class GroupsRepeatedToHeads(nn.Module):
         return x + self.out(y.reshape(B, T, -1))
 
 
+class WholeKVReadWhole(nn.Module):
+    """GPT-BigCode's fused qkv with one kv head, which every rank computes whole for its query
+    heads, and whose key also feeds the residual stream: there every rank differentiates it
+    whole, and the region's gradient sync would count that gradient once per rank. The fused
+    weight stays replicated."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, dim + 2 * self.head_dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H, d = self.heads, self.head_dim
+        q, k, v = self.qkv(x).split([C, d, d], dim=-1)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q.view(B, T, H, d).transpose(1, 2),
+            *(t.view(B, T, 1, d).transpose(1, 2).expand(B, H, T, d) for t in (k, v)), is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, C)) + k.mean(-1, keepdim=True)
+
+
 class FreshBufferKeys(nn.Module):
     """MLA's ``expand_kv``: each head's key is its own part and a part every head shares,
     written into a ``new_empty`` buffer by ``copy_`` into slices (the shared part broadcast)."""
@@ -134,6 +157,7 @@ CASES = {
     "unknown_op_fallback": (UnruledOpAttention, {}),
     "merged_heads_fallback": (MergedHeadsUnruledOp, {}),
     "groups_repeated_to_heads": (GroupsRepeatedToHeads, {}),
+    "whole_kv_read_whole": (WholeKVReadWhole, {}),
     # in-place writes into buffers the model makes itself, planned out of place
     "fresh_buffer_copy": (FreshBufferKeys, {}),
     "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),
@@ -157,6 +181,7 @@ def _run_case(name: str) -> dict:
         "step_errs": result.step_errs,
         "collectives": result.collectives,
         "styles": tp.plan.styles(),
+        "reasons": {n: p.reason for n, p in tp.plan.params.items()},
         "local_shapes": {n: tuple(p.shape) for n, p in tp.named_parameters()},
         "n_layers": model.cfg.n_layers,
         "fallbacks": tp.plan.fallbacks,

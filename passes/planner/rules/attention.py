@@ -37,13 +37,12 @@ def _sdpa(op):
     hq, hk = shape(q)[-3], shape(k)[-3]
     pq = op.placement(q)
     if isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3:
-        for x in (k, v):  # a fused qkv's k / v chunk cut inside its heads while q is cut by
-            p = op.placement(x)  # heads: that chunk is kept whole (a k_proj of its own: below)
-            if (isinstance(p, Shard) and p.dim == len(shape(x)) - 1
-                    and p.layout.covered() != (0, op.specs.roots[p.layout.root].size)
-                    and not op.specs.is_full(p.layout)):
-                op.require_whole(p.layout, f"{x.name} is cut inside its heads while the query "
-                                           "heads are cut: each rank reads whole kv heads")
+        # a fused qkv's k / v chunk cut inside its heads while q is cut by heads: that chunk
+        # is kept whole (a k_proj of its own: below)
+        inside = [p.layout for x in (k, v) if isinstance(p := op.placement(x), Shard)
+                  and p.dim == len(shape(x)) - 1 and op.is_chunk(p.layout)]
+        op.require_whole("k / v are cut inside their heads while the query heads are cut: each "
+                         "rank reads whole kv heads", *inside)
     causal = op.node.args[5] if len(op.node.args) > 5 else op.node.kwargs.get("is_causal", False)
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
         # is_causal masks by *local* query index: query rows cut by position (sequence

@@ -22,13 +22,14 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
     With sequence parallelism, replicated and partial activations are put on sequence shards
     (partial ones by a reduce-scatter) and column-parallel matmuls gather their input first.
     """
-    sharded, partial = [], []
+    sharded, partial, whole = [], [], []
     for i, (arg, labels) in enumerate(operands):
         p = op.placement(arg)
-        if isinstance(p, Shard):
-            sharded.append((i, labels[p.dim], p.layout))
+        if isinstance(p, Shard):  # a shard whole on every rank follows the others' cut
+            (whole if op.specs.is_full(p.layout) else sharded).append((i, labels[p.dim], p.layout))
         elif isinstance(p, Partial):
             partial.append(i)
+    sharded = sharded or whole
     seq = op.sequence_label(out_labels)
     if partial and not sharded:
         if linear == "add" and len(partial) == len([o for o in operands if op.is_tensor(o[0])]):
@@ -45,7 +46,7 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
         if column is not None or seq is None:
             return column or Replicate()
         sharded = [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
-    label = sharded[0][1]
+    label = _kept_label(sharded, operands, out_labels)
     if label is None:  # sharded along a dim the op does not map (e.g. a broadcast size-1 dim)
         for arg, _ in operands:
             op.require(arg, Replicate())
@@ -54,12 +55,32 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
         column = op.gather_for_column(operands, out_labels) if matmul else None  # Megatron-SP
         if column is not None:
             return column
-    for i, lab, _ in sharded[1:]:
-        if lab != label:  # a second sharded label: gather that operand
-            op.require(operands[i][0], Replicate())
+    kept = next(lay for _, lab, lay in sharded if lab == label)
+    for i, lab, layout in sharded:
+        if lab == label:
+            continue
+        if layout.root == kept.root and op.is_chunk(layout):
+            # two chunks of one fused weight cut on different dims: the other one is computed
+            # whole (Mamba-2's B of one group against x's heads); anything else is gathered
+            op.require_whole(f"{operands[i][0].name} is cut on another dim than "
+                             f"{op.node.name}'s other operands", layout)
+        op.require(operands[i][0], Replicate())
     same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label and i is not None]
-    target = op.unify(same) if same else sharded[0][2]
+    target = op.unify(same) if same else kept
     contracted = label not in out_labels
+    if (contracted and linear == "mul" and len(same) > 1
+            and all(op.is_chunk(lay) and op.param_behind(a) is None for a, lay in same)):
+        # two activations cut on the dim they contract (Mamba-2's C . B over the state of a
+        # fused in_proj's n_groups < ranks): a partial sum no chain ends with; those chunks
+        # are computed whole instead (their weight rows replicated, no collective)
+        names = ", ".join(a.name for a, _ in same)
+        op.require_whole(f"{op.node.name} contracts the cut dim of {names}", *(lay for _, lay in same))
+    if contracted and op.specs.is_full(target):
+        # summed over a dim every rank holds whole (Mamba-2's C . B of one group): computed
+        # whole, a replicated copy inside the region (plan_sharding's _copies_of_whole_chunks)
+        for i in partial:
+            op.require(operands[i][0], Replicate())
+        return Replicate()
     if contracted and (linear != "mul" or op.overlaps(target)):
         # a non-linear reduction over a sharded dim (softmax over heads' dim, norms) or a
         # sum over replicated blocks: both need the whole dim on every rank
@@ -74,6 +95,15 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
     if contracted:
         return Partial()
     return Shard(out_labels.index(label), target)
+
+
+def _kept_label(sharded, operands, out_labels):
+    """Of operands sharded on different labels, the label kept is the one most operands carry
+    (``B * decay[..., None]``: the heads both have, not the state dim only B has), then one the
+    output keeps (a sharded output, not a partial sum), then the first operand's."""
+    rank = {lab: (sum(lab in labels for _, labels in operands), lab in out_labels)
+            if lab is not None else (-1, False) for _, lab, _ in sharded}
+    return max(rank, key=rank.get)
 
 
 def _broadcast_labels(args, out_shape):

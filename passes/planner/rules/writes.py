@@ -221,10 +221,19 @@ def _scatter_into_view(op):
 @register(aten.expand_as.default)
 def _expand_as(op):
     """``src.expand_as(x)`` (a ``copy_`` made out of place): ``x`` gives only its shape, so a
-    shard of either passes (the other is sliced locally) and a partial ``src`` stays partial."""
+    shard of either passes (the other is sliced locally) and a partial ``src`` stays partial.
+    Cut on different dims, ``x``'s cut is kept: it is where the write lands."""
     src, x = op.node.args[:2]
     if isinstance(op.placement(src), Partial) and not isinstance(op.placement(x), Shard):
         return Partial()
     out = shape(op.node)
     labels = list(range(len(out)))
-    return einsum_rule(op, [(x, labels)] + _broadcast_labels([src], out), labels)
+    px, psrc = op.placement(x), op.placement(src)
+    (_, src_labels), = operands = _broadcast_labels([src], out)
+    if (isinstance(px, Shard) and isinstance(psrc, Shard) and not op.specs.is_full(psrc.layout)
+            and src_labels[psrc.dim] != px.dim):
+        result = einsum_rule(op, [(x, labels)], labels)
+        op.require(src, Shard(src_labels.index(px.dim), result.layout)
+                   if px.dim in src_labels and isinstance(result, Shard) else Replicate())
+        return result
+    return einsum_rule(op, [(x, labels)] + operands, labels)
