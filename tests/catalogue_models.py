@@ -43,13 +43,16 @@ class InPlaceOps(MLP):
 
 
 class SliceAssign(MLP):
-    """``h[..., :2] = 0`` into the column-parallel activation: the write would land on a gathered
-    copy while fc2 reads h, so the planner keeps fc1 / fc2 replicated (correct, visible)."""
+    """``h[..., :2] = 0`` into the column-parallel activation, with a view of h taken before the
+    write and read after it (so the write cannot be made out of place): it would land on a
+    gathered copy while fc2 reads h, so the planner keeps fc1 / fc2 replicated (correct,
+    visible)."""
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
+        tail = h[..., 2:]
         h[..., :2] = 0
-        return self.fc2(h)
+        return self.fc2(h) + tail.mean(-1, keepdim=True)
 
 
 # ----------------------------------------------------------------- state and buffers

@@ -5,9 +5,10 @@ Mixtral's expert loop accumulates ``out.index_add_(0, token, y)`` into ``torch.z
 MLA's ``expand_kv`` fills ``buf = x.new_empty(...)`` by ``buf[..., :k].copy_(a)``.
 torch.export keeps these writes in place, and in-place ops tie placements to storage (see
 :mod:`tpcompile.passes.planner.mutations`): the planner can only keep them replicated. When
-the written tensor is *fresh* (made inside the graph by a factory op, not an input, buffer or
-parameter) and no other view of it is read after the write, nothing else can observe its
-storage, so the write is a value: ``index_add_`` becomes ``index_add``, a ``copy_`` into
+the written tensor is *fresh* (made inside the graph by a factory op, or by any op whose schema
+returns a new tensor: not an input, buffer, parameter or view) and no other view of it is read
+after the write, nothing else can observe its storage, so the write is a value (the gated delta
+rule's forward substitution ``ut[..., i, :i] = ...`` into ``ut = -x.tril(-1)``, too): ``index_add_`` becomes ``index_add``, a ``copy_`` into
 ``buf[..., :k]`` becomes ``slice_scatter(buf, a.expand_as(buf[..., :k]), -1, 0, k)``, and every
 later reader of the buffer reads the new value. The rule table then sees functional ops only
 (``index_add`` of partial expert outputs into zeros stays partial: one all-reduce per MoE
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.mutations import aliases, written_args
 from tpcompile.passes.planner.rules import FRESH_BUFFERS, SCATTERS, value_of_write
 
@@ -63,20 +65,36 @@ def _written_through(node: fx.Node, fresh: set[fx.Node]) -> list[fx.Node] | None
 
 
 def _unobserved(chain: list[fx.Node], node: fx.Node, order: dict) -> bool:
-    """No view of the buffer is taken before the write (it would see the write)."""
+    """Every other view of the buffer taken before the write is read only before it (a view
+    read after it would see the write): the gated delta rule's ``row = ut[..., i, :i].clone()``
+    before ``ut[..., i, :i] = row + ...``."""
     views = aliases(chain[0]) - set(chain) - aliases(node)
-    return all(order[v] > order[node] for v in views)
+    return all(order[v] > order[node] or all(order[u] < order[node] for u in v.users)
+               for v in views)
+
+
+def _computed(node: fx.Node) -> bool:
+    """A result with storage of its own: its op's schema returns a new tensor (no alias
+    annotation: ``-x.tril(-1)``, not ``x.view(...)``) and writes nothing."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return (schema is not None and not schema.is_mutable and len(schema.returns) == 1
+            and schema.returns[0].alias_info is None and isinstance(val(node), torch.Tensor))
 
 
 def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite in-place writes into fresh buffers (see module docstring)."""
+    """Rewrite in-place writes into fresh buffers (see module docstring).
+
+    Into a computed result only writes through a view are rewritten: a whole-tensor in-place
+    op (``relu_``, ``+=``) already has a rule and runs on each rank's shard, saving memory."""
     g = gm.graph
     fresh = {n for n in g.nodes if n.op == "call_function" and n.target in FRESH_BUFFERS}
+    computed = {n for n in g.nodes if _computed(n)} - fresh
     order = {n: i for i, n in enumerate(g.nodes)}
     for node in list(g.nodes):
         functional = out_of_place(node.target) if node.op == "call_function" else None
-        chain = _written_through(node, fresh) if functional is not None else None
-        if chain is None or (len(chain) > 1 and node.users) or not _unobserved(chain, node, order):
+        chain = _written_through(node, fresh | computed) if functional is not None else None
+        if (chain is None or (len(chain) > 1 and node.users) or (chain[0] in computed and len(chain) == 1)
+                or not _unobserved(chain, node, order)):
             continue
         base = chain[0]
         later = [u for u in base.users if u not in chain and order[u] > order[node]]

@@ -37,7 +37,7 @@ from torch import fx
 
 from tpcompile.core.capture import Capture, origin
 from tpcompile.errors import TPCompileError
-from tpcompile.core.placement import Partial, Replicate, Shard, Specs, each
+from tpcompile.core.placement import Misaligned, Partial, Replicate, Shard, Specs, each
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import (
@@ -444,9 +444,20 @@ def _pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | No
             if mapped is None:
                 break
             placements.append(mapped)
-        if len(placements) == len(chain) and _same(specs, placements[-1], wanted):
+        if (len(placements) == len(chain) and _cuttable(specs, placements)
+                and _same(specs, placements[-1], wanted)):
             return placements
     return None
+
+
+def _cuttable(specs: Specs, placements: list[Shard]) -> bool:
+    """Each layout can be cut as its root is (a pulled-back merge may cut through a unit)."""
+    try:
+        for p in placements:
+            specs.ranges(p.layout)
+    except Misaligned:
+        return False
+    return True
 
 
 def _grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, ...]]:

@@ -100,3 +100,46 @@ def test_later_readers_of_the_buffer_read_the_written_value():
     assert aten.add_.Tensor not in [n.target for n in gm.graph.nodes]
     x = torch.randn(3)
     assert torch.equal(gm(x), 2 * x)
+
+
+class ForwardSubstitution(torch.nn.Module):
+    """The gated delta rule's UT transform (Qwen3-Next / Qwen3.5 under export): rows of a
+    computed ``ut = -a.tril(-1)`` rewritten in place, each from clones of earlier rows."""
+
+    def forward(self, a):
+        ut = -a.tril(-1)
+        for i in range(1, a.shape[-1]):
+            row = ut[..., i, :i].clone()
+            sub = ut[..., :i, :i].clone()
+            ut[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+        return ut + torch.eye(a.shape[-1])
+
+
+def test_writes_through_views_into_a_computed_result_become_scatters():
+    a = torch.randn(2, 3, 4, 4)
+    gm = torch.export.export(ForwardSubstitution(), (a,), strict=False).module()
+    gm = functionalize_fresh_writes_pass(gm)
+    targets = [n.target for n in gm.graph.nodes]
+    assert aten.copy_.default not in targets and aten.select_scatter.default in targets
+    assert torch.allclose(gm(a), ForwardSubstitution()(a))
+
+
+def test_a_whole_tensor_in_place_op_on_a_computed_result_stays_in_place():
+    """``relu_`` / ``+=`` on an activation already run on each rank's shard (and save memory)."""
+    def build(g, x):
+        y = g.call_function(aten.mul.Tensor, (x, 2))
+        g.call_function(aten.relu_.default, (y,))
+        g.output(y)
+    gm = functionalize_fresh_writes_pass(_graph(build))
+    assert aten.relu_.default in [n.target for n in gm.graph.nodes]
+
+
+def test_a_computed_result_viewed_before_and_read_after_the_write_stays_in_place():
+    def build(g, x):
+        y = g.call_function(aten.mul.Tensor, (x, 2))
+        early = g.call_function(aten.slice.Tensor, (y, 0, 1, 2))
+        head = g.call_function(aten.slice.Tensor, (y, 0, 0, 1))
+        g.call_function(aten.fill_.Scalar, (head, 0.0))
+        g.output(g.call_function(operator.add, (early, y)))
+    gm = functionalize_fresh_writes_pass(_graph(build))
+    assert aten.fill_.Scalar in [n.target for n in gm.graph.nodes]
