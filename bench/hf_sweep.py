@@ -23,7 +23,8 @@ Per family:
   replicated`` where *sharded* is what a Megatron plan cuts: 2-D (and stacked 3-D expert)
   weights inside the repeated blocks that are not norms or embeddings, except MoE routers, MLA's
   low-rank down projections, DeepSeek sparse attention's indexer and, where KV heads are fewer
-  than ranks, the separate K / V projections and the k / v rows of a fused qkv
+  than ranks, the separate K / V projections and the k / v rows of a fused qkv, and where a
+  Mamba-2 mixer has fewer B / C groups than ranks, their rows of in_proj and conv1d
   (``_megatron_shards``);
 * *collectives vs bound*: per layer forward / backward all-reduces against Megatron's 2 / 2,
   plus 1 backward per replicated weight whose gradient is all-reduced inside a layer when
@@ -86,6 +87,8 @@ REPRESENTATIVE: tuple[str, ...] = (
     "Olmo2ForCausalLM",      # RMSNorm over whole q/k projections: its statistic all-reduced
     "DeepseekV3ForCausalLM",  # MLA (q_a / kv_a whole, q_b / kv_b column) and MoE experts
     "ElectraForCausalLM",    # post-LN, embeddings projected: layer 0's input all-reduced outside it
+    "BambaForCausalLM",      # Mamba-2 with one B / C group: those chunks of in_proj whole
+    "Qwen3_5ForCausalLM",    # gated delta rule: its in-place forward substitution made out of place
 )
 
 # Observed between runs of the same sweep, not in one row: numerics on gloo ranks raised
@@ -254,6 +257,7 @@ def _in_block(fqn: str) -> bool:
 
 # one Linear for q, k and v: under MQA / GQA with fewer KV heads than ranks Megatron keeps the
 # k / v rows whole, as it does separate K / V projections (``_megatron_shards``)
+_MAMBA2_BC = re.compile(r"\.(mamba|mixer)\.(in_proj|conv1d)\.weight$")
 _FUSED_QKV = re.compile(r"(^|\.)(c_attn|query_key_value|qkv_proj|Wqkv|W_pack|qkv)\.weight$")
 
 
@@ -266,6 +270,11 @@ def _megatron_shards(cfg, world_size: int):
                                              "n_routed_experts", "moe_num_experts")
                       if isinstance(_get(cfg, k), int)), None)
     replicated_kv = kv_heads is not None and kv_heads < world_size
+    groups, state = (next((v for k in keys if isinstance(v := _get(cfg, k), int)), None) for keys in (
+        ("mamba_n_groups", "n_groups", "mamba_ngroups"), ("mamba_d_state", "ssm_state_size")))
+    # Megatron cuts a Mamba-2 mixer's B / C by groups (n_groups % ranks == 0); with fewer,
+    # every rank computes all of B and C: their rows of in_proj and channels of conv1d stay whole
+    whole_bc = groups is not None and state is not None and groups % world_size != 0
 
     def sharded(fqn: str, e) -> float:
         if not _in_block(fqn) or len(e.global_shape) not in (2, 3):
@@ -283,6 +292,8 @@ def _megatron_shards(cfg, world_size: int):
             return False
         if replicated_kv and heads and _FUSED_QKV.search(fqn):
             return heads / (heads + 2 * kv_heads)
+        if whole_bc and _MAMBA2_BC.search(fqn):
+            return 1 - 2 * groups * state / e.global_shape[0]
         if _MLA_DOWN.search(fqn) or _DSA_INDEXER.search(fqn):
             return False
         return True
