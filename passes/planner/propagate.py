@@ -150,7 +150,6 @@ class OpView:
         if demands:
             raise Misaligned(*demands)
 
-
     def unify(self, items: list[tuple[fx.Node, Layout]]) -> Layout:
         """One layout for operands sharded on the same label; the rest get converted to it."""
         target = items[0][1]
