@@ -257,8 +257,9 @@ def _in_block(fqn: str) -> bool:
 
 # one Linear for q, k and v: under MQA / GQA with fewer KV heads than ranks Megatron keeps the
 # k / v rows whole, as it does separate K / V projections (``_megatron_shards``)
-_MAMBA2_BC = re.compile(r"\.(mamba|mixer)\.(in_proj|conv1d)\.weight$")
 _FUSED_QKV = re.compile(r"(^|\.)(c_attn|query_key_value|qkv_proj|Wqkv|W_pack|qkv)\.weight$")
+# a Mamba-2 mixer's fused in_proj and its conv1d: their B / C rows (``_megatron_shards``)
+_MAMBA2_BC = re.compile(r"\.(mamba|mixer)\.(in_proj|conv1d)\.weight$")
 
 
 def _megatron_shards(cfg, world_size: int):

@@ -49,7 +49,6 @@ __all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES",
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
 
 
-
 def drop_dead_code_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Pure ops nothing reads are dropped: torch.export keeps them, e.g. the arguments
     transformers' Mamba-2 mixers evaluate for a fused kernel that returns None on CPU

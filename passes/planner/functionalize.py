@@ -8,9 +8,10 @@ torch.export keeps these writes in place, and in-place ops tie placements to sto
 the written tensor is *fresh* (made inside the graph by a factory op, or by any op whose schema
 returns a new tensor: not an input, buffer, parameter or view) and no other view of it is read
 after the write, nothing else can observe its storage, so the write is a value (the gated delta
-rule's forward substitution ``ut[..., i, :i] = ...`` into ``ut = -x.tril(-1)``, too): ``index_add_`` becomes ``index_add``, a ``copy_`` into
-``buf[..., :k]`` becomes ``slice_scatter(buf, a.expand_as(buf[..., :k]), -1, 0, k)``, and every
-later reader of the buffer reads the new value. The rule table then sees functional ops only
+rule's forward substitution ``ut[..., i, :i] = ...`` into ``ut = -x.tril(-1)``, too):
+``index_add_`` becomes ``index_add``, a ``copy_`` into ``buf[..., :k]`` becomes
+``slice_scatter(buf, a.expand_as(buf[..., :k]), -1, 0, k)``, and every later reader of the
+buffer reads the new value. The rule table then sees functional ops only
 (``index_add`` of partial expert outputs into zeros stays partial: one all-reduce per MoE
 block instead of one per expert).
 
@@ -93,8 +94,9 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(g.nodes):
         functional = out_of_place(node.target) if node.op == "call_function" else None
         chain = _written_through(node, fresh | computed) if functional is not None else None
-        if (chain is None or (len(chain) > 1 and node.users) or (chain[0] in computed and len(chain) == 1)
-                or not _unobserved(chain, node, order)):
+        if chain is None or (len(chain) > 1 and node.users) or not _unobserved(chain, node, order):
+            continue
+        if chain[0] in computed and len(chain) == 1:  # a whole-tensor in-place op: ruled as is
             continue
         base = chain[0]
         later = [u for u in base.users if u not in chain and order[u] > order[node]]
