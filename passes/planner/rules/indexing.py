@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tpcompile.passes.planner.dims import norm_dim, shape, val
+from tpcompile.passes.planner.dims import norm_dim, shape, size_expr, val
 from tpcompile.passes.planner.rules import register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 
@@ -51,6 +51,33 @@ def _index(op):
     operands += [(i, [None] * len(shape(i))) for i in indices if i is not None]
     return einsum_rule(op, operands, [lab if lab is not None else f"i{j}"
                                       for j, lab in enumerate(out_labels)], linear="mul")
+
+
+@register(aten.index_select.default)
+def _index_select(op):
+    """``x.index_select(dim, index)``: rows of one dim picked by a 1-D index (XLNet's relative
+    shift). Like ``x[..., index]``: linear in ``x``, a shard of any other dim passes."""
+    x, dim, index = op.node.args[:3]
+    n = len(shape(x))
+    dim = norm_dim(dim, n)
+    return einsum_rule(op, [(x, [d if d != dim else None for d in range(n)]), (index, [None])],
+                       [d if d != dim else "picked" for d in range(n)], linear="mul")
+
+
+@register(aten.gather.default)
+def _gather(op):
+    """``x.gather(dim, index)``: ``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along
+    ``dim``; every other dim pairs ``x``'s with ``index``'s (which may be shorter), so a shard
+    of one passes when both are cut alike: a replicated index is sliced like ``x``. Shorter
+    dims of the index are not aligned with ``x``'s cut, so ``x`` is then gathered."""
+    x, dim, index = op.node.args[:3]
+    n = len(shape(x))
+    dim = norm_dim(dim, n)
+    aligned = [d for d in range(n)
+               if d != dim and size_expr(shape(index)[d]) == size_expr(shape(x)[d])]
+    labels = [d if d in aligned else None for d in range(n)]
+    return einsum_rule(op, [(x, labels), (index, labels)],
+                       [d if d in aligned else f"g{d}" for d in range(n)], linear="mul")
 
 
 @register(aten.stack.default)
