@@ -534,6 +534,8 @@ def _numerics_rank(rank: int, world_size: int, name: str, mode: str,
     if double:
         _keep_float64_through_float32_casts()
     model, ids = build(name, mode), example_ids()
+    with torch.no_grad():  # the call `_measure` makes before planning: BigBird picks its
+        model(ids)         # attention for the sequence length there, assigning modules
     if double:
         model.double()
     try:
