@@ -33,6 +33,7 @@ from tpcompile.core.stamp import capture_reusing_blocks
 from tpcompile.errors import CaptureError, TPCompileError
 from tpcompile.passes.planner.functionalize import functionalize_fresh_writes_pass
 from tpcompile.passes.planner.decompose import MAX_ROUNDS, decomposable, decompose_nodes
+from tpcompile.passes.planner.index_ranges import constant_index_as_slice_pass
 from tpcompile.passes.planner.mutations import clone_converted_writes_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
 from tpcompile.passes.planner.propagate import NO_RULE
@@ -59,9 +60,11 @@ def drop_dead_code_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 # graph -> graph, before the planner: the planner sees no dead code, matmuls without biases,
-# and writes into buffers the graph makes itself as values (out of place)
+# constant runs of indices as slices, and writes into buffers the graph makes itself as values
+# (out of place)
 PLANNING_PASSES: list[Pass] = [("drop_dead_code", drop_dead_code_pass),
                                ("split_bias", split_bias_pass),
+                               ("constant_index_as_slice", constant_index_as_slice_pass),
                                ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]
 # one rank's rewrite, in order: (name, pass, the parts of the rank's context it takes)
 REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [

@@ -371,6 +371,24 @@ class FusedMQA(Attention):
         return q.view(B, T, self.n_heads, self.head_dim), k, v
 
 
+class IndexedMQA(Attention):
+    """Falcon-7B: one query_key_value Linear viewed per head as (B, T, heads + 2, head_dim),
+    its one key and one value head picked by list indices (``qkv[..., [-2], :]``, advanced
+    indexing), broadcast to the query heads inside SDPA."""
+
+    def __init__(self):
+        super().__init__(n_kv_heads=1)
+
+    def init_projections(self, linear):
+        self.wqkv = linear(D, D + 2 * self.head_dim, bias=False)
+        self.wo = linear(D, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2, self.head_dim)
+        return qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]
+
+
 class SlicedQKV(Attention):
     """Phi-3: one qkv_proj for 8 query and 4 kv heads, cut at head offsets by slices
     (``qkv[..., :query_pos]``), so the q, k and v chunks have different sizes."""
@@ -693,6 +711,9 @@ _REGISTRY = [
     ("fused_qkv_mqa", lambda: LM(attn=FusedMQA),
      attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
                       whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
+    ("fused_qkv_mqa_indexed", lambda: LM(attn=IndexedMQA),
+     attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
+                      whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
     ("einsum_qkv_3d", lambda: LM(attn=EinsumAttention),
      attention_expect(col=_in_layers("attn.wq", "attn.wk", "attn.wv"), row=_in_layers("attn.wo"))),
     ("mqa", lambda: LM(attn=partial(RepeatKV, n_kv_heads=1)),  # HF configs with 1 KV head
@@ -757,6 +778,7 @@ STYLES = {
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
     "fused_qkv_slices": "Phi-3 `qkv_proj` cut by uneven slices `qkv[..., :q_pos]` (8 q / 4 kv heads)",
     "fused_qkv_mqa": "GPT-BigCode: one `c_attn` for 8 q heads and 1 kv head, `split`, kv `expand`ed",
+    "fused_qkv_mqa_indexed": "Falcon-7B: `qkv.view(B, T, H + 2, D)`, k / v picked by list indices `qkv[..., [-2], :]`",
     "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
     "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",
     "gqa_expand_reshape": "GQA 8 q / 4 kv heads, HF `repeat_kv` by expand + reshape",

@@ -53,6 +53,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     # rank: GPT-BigCode's kv head of c_attn, Mamba-2's B / C of one group (and C . B over them)
     "fused_qkv_mqa": (2, 4),
     "mamba2_one_group": (2, 4),
+    # Falcon-7B's k / v heads picked by list indices: planned as slices of the fused projection
+    "fused_qkv_mqa_indexed": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -72,7 +74,8 @@ def test_plan_is_megatrons(name, world_size):
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group")
+                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group",
+                       "fused_qkv_mqa_indexed")
 
 
 def _numerics_params() -> list:

@@ -42,7 +42,8 @@ def test_unified_diff_shows_shards_constants_and_collectives(llama_diff):
 def test_each_pass_can_be_diffed_on_its_own(llama_diff):
     sections = llama_diff.unified(passes=True).split("# === pass ")[1:]
     by_pass = {s.split("\n", 1)[0]: s for s in sections}
-    assert list(by_pass) == ["drop_dead_code", "split_bias", "functionalize_fresh_writes", "localize",
+    assert list(by_pass) == ["drop_dead_code", "split_bias", "constant_index_as_slice",
+                             "functionalize_fresh_writes", "localize",
                              "insert_collectives", "clone_converted_writes", "materialize_params",
                              "fuse_bias", "fuse_sequence_linears"]
     assert "(no change)" in by_pass["clone_converted_writes"]  # Llama writes nothing in place

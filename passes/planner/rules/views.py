@@ -63,7 +63,10 @@ def _map_view(node, p: Shard):
     viewed as (3, heads, head_dim) and unbound), merged (whole dims in front of the shard make
     tiles: BART's (batch, heads) as batch * heads) or a tiled dim split back; None otherwise."""
     src, dst = shape(node.args[0]), shape(node)
-    for gi, gj in view_groups(src, dst) or []:
+    groups = view_groups(src, dst) or []
+    if isinstance(src[p.dim], int) and src[p.dim] == 1:
+        return _size_one_moved(groups, p)
+    for gi, gj in groups:
         if p.dim not in gi:
             continue
         real_in = [d for d in gi if not (isinstance(src[d], int) and src[d] == 1)]
@@ -90,6 +93,38 @@ def _map_view(node, p: Shard):
             return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer))
         return None
     return None
+
+
+def _size_one_moved(groups, p: Shard):
+    """A shard of a size-1 dim (a chunk of one unit, whole on every rank: MQA's key head
+    viewed per head) goes to the output's size-1 dim at the same place among the size-1 dims
+    between the same two sized dims; None when the view drops it."""
+    ones, at = ([], []), None
+    for gi, gj in groups + [([None], [None])]:
+        if gi and gj:  # a sized group (or the end) closes the run of size-1 dims
+            if at is not None:
+                return Shard(ones[1][at], p.layout) if at < len(ones[1]) else None
+            ones = ([], [])
+        elif gi:
+            at = len(ones[0]) if gi[0] == p.dim else at
+            ones[0].append(gi[0])
+        else:
+            ones[1].append(gj[0])
+    return None
+
+
+def _size_one_squeezed(node, p: Shard):
+    """``unsqueeze`` / ``squeeze`` of a tensor sharded on a size-1 dim: moved by the dims
+    inserted or dropped before it; None when it is the dim squeezed."""
+    n_in, d = len(shape(node.args[0])), p.dim
+    if node.target is aten.unsqueeze.default:
+        return Shard(d + (norm_dim(node.args[1], n_in + 1) <= d), p.layout)
+    if node.target is aten.squeeze.default:
+        return None
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dims = [norm_dim(x, n_in) for x in dims]
+    return None if d in dims else Shard(d - sum(x < d and shape(node.args[0])[x] == 1 for x in dims),
+                                        p.layout)
 
 
 def _untile(p: Shard, src, dst, real_in, real_out):
@@ -144,9 +179,17 @@ def _dim_op(op):
     mapped = _maps(op.node, _shard_of(op, x))
     chunk = op.node.target is aten.slice.Tensor and mapped is not None \
         and mapped.layout != op.placement(x).layout
-    if mapped is None or (chunk and mapped.layout.size < op.specs.world_size):
-        # a chunk too small to split over the ranks would be a replicated block of the root,
-        # which no row-parallel consumer can read: gather before it instead
+    small = (chunk and mapped.layout.size < op.specs.world_size
+             and not op.specs.is_full(mapped.layout))
+    if small and op.param_behind(x) is None and op.is_chunk(mapped.layout):
+        # a chunk of a fused projection too small to split over the ranks (Falcon's one key
+        # head, ``qkv[..., -2:-1, :]``): computed whole on every rank, like MQA's k / v
+        op.require_whole(f"{op.node.name} takes {mapped.layout.size} of {x.name}'s "
+                         f"{op.specs.roots[mapped.layout.root].size} units, fewer than the ranks",
+                         mapped.layout)
+    if mapped is None or small:
+        # a smaller chunk of anything else would be a replicated block of the root, which no
+        # row-parallel consumer can read: gather before it instead
         op.require(x, Replicate())
         return Replicate()
     # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
@@ -186,8 +229,13 @@ def _map_dim(node, p: Shard):
         src = [i for i, s in enumerate(shape(args[0])) if not (isinstance(s, int) and s == 1)]
         dst_shape = shape(node)
         if t is aten.expand.default:
-            # new leading dims and broadcast size-1 dims do not move the sharded dim
-            return Shard(d + n_out - n_in, p.layout)
+            # new leading dims and broadcast size-1 dims do not move the sharded dim; a sharded
+            # size-1 dim (one unit, whole on every rank) broadcast to more is no shard of it
+            moved = d + n_out - n_in
+            kept = d in src or (isinstance(dst_shape[moved], int) and dst_shape[moved] == 1)
+            return Shard(moved, p.layout) if kept else None
+        if d not in src:  # a size-1 dim whole on every rank: unsqueeze moves it, squeeze drops it
+            return _size_one_squeezed(node, p)
         dst = [i for i, s in enumerate(dst_shape) if not (isinstance(s, int) and s == 1)]
         return Shard(dst[src.index(d)], p.layout)
     if t is aten.slice.Tensor:
