@@ -26,8 +26,11 @@ Per family:
   than ranks, the separate K / V projections and the k / v rows of a fused qkv, and where a
   Mamba-2 mixer has fewer B / C groups than ranks, their rows of in_proj and conv1d
   (``_megatron_shards``);
-* *collectives vs bound*: per layer forward / backward all-reduces against Megatron's 2 / 2,
-  plus 1 backward per replicated weight whose gradient is all-reduced inside a layer when
+* *collectives vs bound*: per layer forward / backward all-reduces against Megatron's 1 / 1
+  per column -> row chain: one per row-parallel module among the weights it shards (an MoE
+  block's experts and shared experts one, their sum reduced once), at least 2 (attention and
+  MLP; more for an MLP inside a norm, Gemma 4's per-layer-input projection, Mamba-1's
+  ``x_proj``), plus 1 backward per replicated weight whose gradient is all-reduced inside a layer when
   Megatron replicates it too (MQA/GQA K and V: +2, a fused qkv's k / v rows: +1; an MoE
   router, or the routing weights' gradient synced once at the router (``gate`` /
   ``router``): +1; per-head q / k norms: +2), and 1 forward + 1 backward per norm over sharded features (OLMo 2's whole-projection
@@ -55,7 +58,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -364,14 +367,17 @@ def _measure(name: str, numerics: bool, mode: str) -> dict:
     # replicated weights inside layers whose gradient is all-reduced, and which Megatron
     # replicates too (KV projections with fewer heads than ranks, MoE routers)
     megatron_sharded = _megatron_shards(cfg, WORLD_SIZE)
-    synced = Counter()
+    synced, row_parallel = Counter(), defaultdict(set)
     for fqn, p in report.params.items():
         if p.trainable and p.grad_sync and p.style == "replicate" and _in_block(fqn) \
                 and len(p.global_shape) >= 2 and not megatron_sharded(fqn, p):
             synced[_layer_of(fqn)] += 1
+        if p.trainable and p.style == "rowwise" and megatron_sharded(fqn, p):
+            row_parallel[_layer_of(fqn)].add(_EXPERTS.sub(".experts", fqn.rsplit(".", 1)[0]))
     row["layers"] = [{"layer": m.layer, "forward": m.forward, "backward": m.backward,
                       "bound_forward": m.bound_forward, "bound_backward": m.bound_backward,
-                      "megatron_backward": 2 + synced.get(m.layer, 0) if m.bound_forward else 2}
+                      "megatron_chains": max(2, len(row_parallel[_layer_of(m.layer + ".")])),
+                      "megatron_backward": 2 + synced[_layer_of(m.layer + ".")] if m.bound_forward else 2}
                      for m in layers]
     row["per_layer"] = _per_layer(row["layers"], ("forward", "backward"))
     row["megatron_bound"] = _per_layer([{**r, "f": 2} for r in row["layers"]],
@@ -404,6 +410,10 @@ def _measure(name: str, numerics: bool, mode: str) -> dict:
         row["numerics"] = run_numerics(name, mode)
         row["exact"] = row["numerics"].get("exact", False)
     return row
+
+
+# an MoE block's experts and shared experts: their outputs are summed, then reduced once
+_EXPERTS = re.compile(r"\.(experts|shared_experts?|shared_mlp)(\.[^.]+)*$")
 
 
 def _megatron_extra(row) -> int:
@@ -442,18 +452,19 @@ def _statistic_norms(row) -> set[str]:
             and _NORM.search(m.group(1).rsplit(".", 1)[-1])}
 
 
-def _megatron_forward(row) -> int:
-    """Forward all-reduces per layer Megatron pays: 2, plus one per norm over sharded features
-    (``_statistic_norms``): its statistic spans the ranks."""
-    return 2 + len(_statistic_norms(row))
+def _megatron_statistics(row) -> int:
+    """Forward all-reduces per layer Megatron pays beyond one per chain: one per norm over
+    sharded features (``_statistic_norms``): its statistic spans the ranks."""
+    return len(_statistic_norms(row))
 
 
 def classify(row) -> str:
     """A planned family's status from its measured fields (see the module docstring)."""
     if "grad_synced" in row:
         for r in row["layers"]:
-            r["megatron_backward"] = 2 + (_megatron_extra(row) if r["bound_forward"] else 0)
-            r["megatron_forward"] = _megatron_forward(row) if r["bound_forward"] else 2
+            chains = r.get("megatron_chains", 2)
+            r["megatron_backward"] = chains + (_megatron_extra(row) if r["bound_forward"] else 0)
+            r["megatron_forward"] = chains + (_megatron_statistics(row) if r["bound_forward"] else 0)
         row["megatron_bound"] = _per_layer([{**r, "f": r["megatron_forward"]} for r in row["layers"]],
                                            ("f", "megatron_backward")) if row["layers"] else "2/2"
     # a weight with fewer output features than ranks (a shared-expert gate): whole in Megatron
