@@ -584,7 +584,7 @@ def _style(node: fx.Node, state: Propagation) -> str:
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
     users = view_chain(node)[-1].users
-    if any(u.target in LOOKUPS for u in users):
+    if p.dim == 0 and any(u.target in LOOKUPS for u in users):  # a table cut by rows
         return "vocab"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from torch import fx
 
+from tpcompile.core.capture import module_path
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
@@ -67,6 +68,19 @@ def _common_path(paths: list[str]) -> str:
     return ".".join(common)
 
 
+def _shared_roots(gm: fx.GraphModule, plan: ShardingPlan) -> set[str]:
+    """Roots whose shards are read in several layers (CPM-Ant's relative position bias, one
+    table cut by heads that every layer adds to its scores): linking through them would make
+    the layers' chains one chain outside any layer. Each stays a chain of its own."""
+    layers: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        layer = layer_of(module_path(node))
+        for value in (node, *node.all_input_nodes):
+            for r in _roots(plan.placements.get(value.name)):
+                layers.setdefault(r, set()).add(layer)
+    return {r for r, seen in layers.items() if len(seen - {""}) > 1}
+
+
 def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], dict[str, str]]:
     """The plan's chains and, for every node in one, the chain's name.
 
@@ -80,7 +94,9 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
             r = parent[r]
         return r
 
+    shared = _shared_roots(gm, plan)
     node_roots: dict[str, set[str]] = {}
+    first: dict[str, str] = {}  # the root a node's chain is looked up by (a shared one last)
     for node in gm.graph.nodes:
         out = plan.placements.get(node.name)
         roots = _roots(out)
@@ -89,15 +105,17 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
             roots |= _roots(consumed.get((arg.name, node.name)))
             if isinstance(out, Partial):  # partial sums carry their chain until reduced
                 roots |= node_roots.get(arg.name, set())
-        for r in roots:
-            parent[find(r)] = find(next(iter(roots)))
+        links = roots - shared or roots
+        for r in links:
+            parent[find(r)] = find(next(iter(links)))
         if roots:
             node_roots[node.name] = roots
+            first[node.name] = next(iter(links))
 
     members: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.name in node_roots:
-            members.setdefault(find(next(iter(node_roots[node.name]))), []).append(node)
+            members.setdefault(find(first[node.name]), []).append(node)
     chains, chain_of = [], {}
     for group in members.values():
         chain = _build(group, plan)

@@ -10,7 +10,7 @@ from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import shape
 from tpcompile.passes.planner.rules import register
-from tpcompile.passes.planner.rules.einsum import _replicate_all
+from tpcompile.passes.planner.rules.einsum import _replicate_all, einsum_rule
 
 aten = torch.ops.aten
 
@@ -33,7 +33,12 @@ def _contiguous(op, layout) -> bool:
 
 @register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local))
 def _embedding(op):
-    """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros)."""
+    """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros).
+
+    Any other lookup is a matmul of one-hot rows with the table: the table's columns are
+    features only it and the output carry, where a column-parallel root may start (T5's and
+    CPM-Ant's relative position bias, a (buckets, heads) table read per head). A token
+    embedding's columns feed a norm, which keeps such a root replicated."""
     w, ids = op.node.args[:2]
     wanted = op.is_param(w) and (w.target in op.constraints.tied or (
         op.options.vocab_parallel and _from_inputs(ids)))
@@ -42,12 +47,16 @@ def _embedding(op):
         op.require(w, Shard(0, layout))
         op.require(ids, Replicate())
         return Partial()
-    return _replicate_all(op)
+    if wanted or len(shape(w)) != 2:
+        return _replicate_all(op)
+    lead = list(range(len(shape(ids))))
+    return einsum_rule(op, [(w, [None, "column"]), (ids, lead)], lead + ["column"], linear="mul",
+                       matmul=True)
 
 
 def _localize_embedding(node, local):
     p = local.consumed(node.args[0], node)
-    if isinstance(p, Shard):
+    if isinstance(p, Shard) and p.dim == 0:  # by rows; a column shard looks up its columns
         (start, stop), = local.specs.ranges(p.layout)[local.rank]
         pad = node.args[2] if len(node.args) > 2 else -1
         local.replace_target(node, vocab_parallel_embedding,
