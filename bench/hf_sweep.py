@@ -283,7 +283,8 @@ def _megatron_shards(cfg, world_size: int):
     def sharded(fqn: str, e) -> float:
         if not _in_block(fqn) or len(e.global_shape) not in (2, 3):
             return False
-        if _NORM.search(fqn) or _EMBED.search(fqn):
+        # a norm's own weights, not those of Linears inside a norm module (AXK2's MLP)
+        if _NORM.search(fqn.split(".")[-2]) or _EMBED.search(fqn):
             return False
         if n_experts and n_experts in e.global_shape[:1] and "expert" not in fqn:
             return False  # the router
