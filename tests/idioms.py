@@ -327,6 +327,27 @@ class ALiBiAttention(Attention):
         return torch.softmax(scores, dim=-1) @ v
 
 
+class T5RelativeBias(Attention):
+    """T5 / CPM-Ant: a learned (buckets, heads) ``nn.Embedding`` looked up by bucketed
+    relative position, permuted to (heads, T, T) and added to the explicit scores."""
+
+    BUCKETS = 16
+
+    def __init__(self):
+        super().__init__()
+        self.relative_bias = nn.Embedding(self.BUCKETS, self.n_heads)
+
+    def attend(self, q, k, v, *extra):
+        T = q.shape[2]
+        pos = torch.arange(T, device=q.device)
+        distance = (pos[:, None] - pos[None, :]).clamp(0, self.BUCKETS - 1)  # causal: >= 0
+        bias = self.relative_bias(distance).permute(2, 0, 1)  # (heads, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + bias
+        scores = scores.masked_fill(causal, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
 # ----------------------------------------------------------------- projections
 
 class FusedQKV(Attention):
@@ -711,6 +732,9 @@ _REGISTRY = [
     ("fused_qkv_mqa", lambda: LM(attn=FusedMQA),
      attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
                       whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
+    # the bias table cut by heads with the scores it is added to (no gradient sync of its own)
+    ("t5_relative_bias", lambda: LM(attn=T5RelativeBias),
+     attention_expect(col=ATTN_COL + _in_layers("attn.relative_bias.weight"))),
     ("fused_qkv_mqa_indexed", lambda: LM(attn=IndexedMQA),
      attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
                       whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
@@ -778,6 +802,7 @@ STYLES = {
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
     "fused_qkv_slices": "Phi-3 `qkv_proj` cut by uneven slices `qkv[..., :q_pos]` (8 q / 4 kv heads)",
     "fused_qkv_mqa": "GPT-BigCode: one `c_attn` for 8 q heads and 1 kv head, `split`, kv `expand`ed",
+    "t5_relative_bias": "T5 / CPM-Ant: `nn.Embedding(buckets, heads)` of relative positions added to the scores",
     "fused_qkv_mqa_indexed": "Falcon-7B: `qkv.view(B, T, H + 2, D)`, k / v picked by list indices `qkv[..., [-2], :]`",
     "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
     "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",

@@ -55,6 +55,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "mamba2_one_group": (2, 4),
     # Falcon-7B's k / v heads picked by list indices: planned as slices of the fused projection
     "fused_qkv_mqa_indexed": (2, 4),
+    "t5_relative_bias": (2, 4),        # a (buckets, heads) embedding table cut by heads
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
