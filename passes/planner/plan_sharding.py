@@ -419,6 +419,11 @@ def _absorb_params(gm, state: Propagation) -> None:
         if node.op != "get_attr" or not node.users:
             continue
         chain = carrier_chain(node)
+        # a conversion inside the chain is where its shard is wanted (a vocabulary-parallel
+        # table sliced by rows for its lookup): the chain ends there
+        cut = next((i for i, n in enumerate(chain[:-1]) if (n, chain[i + 1]) in state.conversions),
+                   len(chain) - 1)
+        chain = chain[:cut + 1]
         end = chain[-1]
         wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
         first = wanted[0] if wanted else None  # none: only export's metadata checks read it

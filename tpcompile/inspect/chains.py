@@ -68,19 +68,6 @@ def _common_path(paths: list[str]) -> str:
     return ".".join(common)
 
 
-def _shared_roots(gm: fx.GraphModule, plan: ShardingPlan) -> set[str]:
-    """Roots whose shards are read in several layers (CPM-Ant's relative position bias, one
-    table cut by heads that every layer adds to its scores): linking through them would make
-    the layers' chains one chain outside any layer. Each stays a chain of its own."""
-    layers: dict[str, set[str]] = {}
-    for node in gm.graph.nodes:
-        layer = layer_of(module_path(node))
-        for value in (node, *node.all_input_nodes):
-            for r in _roots(plan.placements.get(value.name)):
-                layers.setdefault(r, set()).add(layer)
-    return {r for r, seen in layers.items() if len(seen - {""}) > 1}
-
-
 def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], dict[str, str]]:
     """The plan's chains and, for every node in one, the chain's name.
 
@@ -94,28 +81,29 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
             r = parent[r]
         return r
 
-    shared = _shared_roots(gm, plan)
     node_roots: dict[str, set[str]] = {}
-    first: dict[str, str] = {}  # the root a node's chain is looked up by (a shared one last)
     for node in gm.graph.nodes:
         out = plan.placements.get(node.name)
         roots = _roots(out)
+        layer = layer_of(module_path(node))
         for arg in node.all_input_nodes:
-            roots |= _roots(plan.placements.get(arg.name))
-            roots |= _roots(consumed.get((arg.name, node.name)))
             if isinstance(out, Partial):  # partial sums carry their chain until reduced
                 roots |= node_roots.get(arg.name, set())
-        links = roots - shared or roots
-        for r in links:
-            parent[find(r)] = find(next(iter(links)))
+            if layer and layer_of(module_path(arg)) != layer:
+                # a shard made outside this layer and read in several (CPM-Ant's relative
+                # position bias, cut by heads): linking through it would make all one chain
+                continue
+            roots |= _roots(plan.placements.get(arg.name))
+            roots |= _roots(consumed.get((arg.name, node.name)))
+        for r in roots:
+            parent[find(r)] = find(next(iter(roots)))
         if roots:
             node_roots[node.name] = roots
-            first[node.name] = next(iter(links))
 
     members: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.name in node_roots:
-            members.setdefault(find(first[node.name]), []).append(node)
+            members.setdefault(find(next(iter(node_roots[node.name]))), []).append(node)
     chains, chain_of = [], {}
     for group in members.values():
         chain = _build(group, plan)
@@ -144,7 +132,8 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan) -> Chain:
                                    if a is not weight and a.op != "get_attr" and a.name not in entries)
     params = by_style["colwise"] + by_style["rowwise"] + by_style["replicate"]
     owners = [p.rpartition(".")[0] for p in params] or [nodes[0].name]
-    name = _common_path(owners) or owners[0]
+    inside = [o for o in owners if layer_of(o)]  # a table outside the layers joins their chain
+    name = _common_path(inside or owners) or owners[0]
     members = frozenset(n.name for n in nodes)
     synced = tuple(v.name for v in {a for n in nodes for a in n.all_input_nodes}
                    if v.name in plan.grad_syncs)

@@ -52,11 +52,15 @@ class Rule:
     shard of the input lands in the output (None: it is cut up). The planner uses it to store
     a parameter sharded when only a view of it (``w.t()``, ``w.view(...)``) meets a matmul.
     ``elementwise``: each output element depends on its own input element alone (and no
-    random draw), so slicing commutes with the op."""
+    random draw), so slicing commutes with the op. ``carries(node, shard)``: like ``maps`` for
+    ops that are no views but still carry a shard of a dim they do not index (``embedding``'s
+    table columns, ``index``'s unpicked dims): a parameter read through them may be stored
+    sharded too, but they start no column-parallel root as a view of a weight would."""
     propagate: Callable
     localize: Callable | None = None
     maps: Callable | None = None
     elementwise: bool = False
+    carries: Callable | None = None
 
 
 RULES: dict = {}
@@ -65,10 +69,10 @@ LOOKUPS = frozenset({aten.embedding.default})  # read a table's rows by index (v
 OUT_FEATURES_FIRST = frozenset({aten.linear.default})  # weight (out, in): a column cut splits dim 0
 
 
-def register(*targets, localize=None, maps=None, matmul=False, elementwise=False):
+def register(*targets, localize=None, maps=None, matmul=False, elementwise=False, carries=None):
     def deco(fn):
         for t in targets:
-            RULES[t] = Rule(fn, localize, maps, elementwise)
+            RULES[t] = Rule(fn, localize, maps, elementwise, carries)
             if matmul:
                 PARAM_MATMULS.add(t)
         return fn
@@ -83,13 +87,13 @@ def is_view(node: fx.Node) -> bool:
 
 def shard_map(node: fx.Node) -> Callable | None:
     """Where a shard of ``node``'s first input lands in its output, for ops that carry it whole:
-    views (their ``maps``) and elementwise ops of one tensor that keep its shape (the shard
+    views (their ``maps``), lookups (``carries``) and elementwise ops of one tensor that keep its shape (the shard
     stays where it is). None for every other op."""
     rule = rule_for(node)
     if rule is None or not node.args:
         return None
-    if rule.maps is not None:
-        return rule.maps
+    if rule.maps is not None or rule.carries is not None:
+        return rule.maps or rule.carries
     if rule.elementwise and len(_tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
         return lambda node, shard: shard
     return None

@@ -4,7 +4,9 @@ advanced indexing, stacking."""
 from __future__ import annotations
 
 import torch
+from torch import fx
 
+from tpcompile.core.placement import Shard
 from tpcompile.passes.planner.dims import norm_dim, shape, size_expr, val
 from tpcompile.passes.planner.rules import register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
@@ -35,19 +37,33 @@ def _constant_pad(op):
     return einsum_rule(op, [(x, labels)], out, linear="unary" if value == 0 else None)
 
 
-@register(aten.index.Tensor)
+def _index_dims(node: fx.Node) -> tuple[list[int], list]:
+    """``x[i0, i1, ...]``: the dims of ``x`` some index reads, and per output dim the dim of
+    ``x`` it keeps (None for the dims the indices make)."""
+    x, indices = node.args[0], list(node.args[1])
+    n = len(shape(x))
+    picked = [d for d, i in enumerate(indices) if i is not None]
+    adjacent = picked == list(range(picked[0], picked[-1] + 1)) if picked else True
+    width = len(shape(node)) - (n - len(picked))
+    kept = [d for d in range(n) if d not in picked]
+    at = picked[0] if picked and adjacent else 0  # where the index dims land in the output
+    return picked, kept[:at] + [None] * width + kept[at:]
+
+
+def _index_maps(node: fx.Node, p: Shard):
+    """A shard of a dim no index reads moves to its output dim (an MoE's per-expert biases
+    picked per token, ``bias[expert_ids]``, cut by features): see ``_absorb_params``."""
+    picked, out = _index_dims(node)
+    return None if p.dim in picked else Shard(out.index(p.dim), p.layout)
+
+
+@register(aten.index.Tensor, carries=_index_maps)
 def _index(op):
     """``x[i0, i1, ...]`` with index tensors (advanced indexing): gathering rows is linear, so a
     partial ``x`` stays partial, and a shard of a dim no index reads moves to its output dim."""
     x, indices = op.node.args[0], list(op.node.args[1])
-    n = len(shape(x))
-    picked = [d for d, i in enumerate(indices) if i is not None]
-    adjacent = picked == list(range(picked[0], picked[-1] + 1)) if picked else True
-    width = len(shape(op.node)) - (n - len(picked))
-    kept = [d for d in range(n) if d not in picked]
-    at = picked[0] if picked and adjacent else 0  # where the index dims land in the output
-    out_labels = kept[:at] + [None] * width + kept[at:]
-    operands = [(x, [None if d in picked else d for d in range(n)])]
+    picked, out_labels = _index_dims(op.node)
+    operands = [(x, [None if d in picked else d for d in range(len(shape(x)))])]
     operands += [(i, [None] * len(shape(i))) for i in indices if i is not None]
     return einsum_rule(op, operands, [lab if lab is not None else f"i{j}"
                                       for j, lab in enumerate(out_labels)], linear="mul")

@@ -10,7 +10,7 @@ from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import shape
 from tpcompile.passes.planner.rules import register
-from tpcompile.passes.planner.rules.einsum import _replicate_all, einsum_rule
+from tpcompile.passes.planner.rules.einsum import _replicate_all
 
 aten = torch.ops.aten
 
@@ -31,14 +31,15 @@ def _contiguous(op, layout) -> bool:
     return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
 
 
-@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local))
+@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local),
+          carries=lambda node, p: Shard(len(shape(node)) - 1, p.layout) if p.dim == 1 else None)
 def _embedding(op):
     """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros).
 
-    Any other lookup is a matmul of one-hot rows with the table: the table's columns are
-    features only it and the output carry, where a column-parallel root may start (T5's and
-    CPM-Ant's relative position bias, a (buckets, heads) table read per head). A token
-    embedding's columns feed a norm, which keeps such a root replicated."""
+    Any other lookup runs on the whole table. Its ``carries`` (a table's column is the output's
+    last dim) lets the planner store the table cut by columns when every reader wants the
+    output cut there (``_absorb_params``): T5's and CPM-Ant's relative position bias, a
+    (buckets, heads) table read per head."""
     w, ids = op.node.args[:2]
     wanted = op.is_param(w) and (w.target in op.constraints.tied or (
         op.options.vocab_parallel and _from_inputs(ids)))
@@ -47,11 +48,7 @@ def _embedding(op):
         op.require(w, Shard(0, layout))
         op.require(ids, Replicate())
         return Partial()
-    if wanted or len(shape(w)) != 2:
-        return _replicate_all(op)
-    lead = list(range(len(shape(ids))))
-    return einsum_rule(op, [(w, [None, "column"]), (ids, lead)], lead + ["column"], linear="mul",
-                       matmul=True)
+    return _replicate_all(op)
 
 
 def _localize_embedding(node, local):
