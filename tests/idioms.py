@@ -657,6 +657,15 @@ class FusedGateUp(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class InterleavedGateUp(FusedGateUp):
+    """gpt-oss: one gate_up projection whose gate and up features alternate, taken apart by
+    strided slices ``h[..., ::2]`` and ``h[..., 1::2]``."""
+
+    def forward(self, x):
+        h = self.gate_up_proj(x)
+        return self.down_proj(F.silu(h[..., ::2]) * h[..., 1::2])
+
+
 class ModuleListMoE(nn.Module):
     """Mixtral: softmax router, top-2, a loop over experts gathering their tokens by index."""
 
@@ -780,6 +789,9 @@ _REGISTRY = [
     ("swiglu_fused_gate_up", lambda: LM(mlp=FusedGateUp),
      mlp_expect(col=_in_layers("mlp.gate_up_proj.weight"),  # per gate / up chunk
                 row=_in_layers("mlp.down_proj.weight"))),
+    ("swiglu_interleaved_gate_up", lambda: LM(mlp=InterleavedGateUp),
+     mlp_expect(col=_in_layers("mlp.gate_up_proj.weight"),  # in whole (gate, up) pairs
+                row=_in_layers("mlp.down_proj.weight"))),
     ("linear_subclass_matmul", lambda: LM(attn=partial(Attention, linear=MatmulLinear),
                                           mlp=partial(SwiGLU, linear=MatmulLinear)), BASELINE),
     ("moe_modulelist_top2", lambda: LM(mlp=ModuleListMoE),
@@ -817,6 +829,7 @@ STYLES = {
     "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
     "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",
     "swiglu_fused_gate_up": "one `gate_up_proj` Linear, `chunk(2, -1)`",
+    "swiglu_interleaved_gate_up": "gpt-oss: gate and up features alternate, `h[..., ::2]`, `h[..., 1::2]`",
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",

@@ -241,6 +241,8 @@ def _map_dim(node, p: Shard):
     if t is aten.slice.Tensor:
         if norm_dim(args[1] if len(args) > 1 else 0, n_in) != d:
             return p
+        if _slice_step(node) != 1:
+            return _strided(node, p)
         bounds = _slice_bounds(node, p.layout.size)
         if bounds is None:
             return None
@@ -291,6 +293,27 @@ def _map_dim(node, p: Shard):
     return None
 
 
+def _slice_step(node: fx.Node):
+    return node.args[4] if len(node.args) > 4 else 1
+
+
+def _strided(node: fx.Node, p: Shard):
+    """Every k-th index of the whole sharded dim from offset ``s < k`` (gpt-oss's interleaved
+    ``gate_up[..., ::2]`` and ``[..., 1::2]``): the dim viewed as (size / k, k), index ``s`` of
+    the inner part, so the shard is that view's leading dim; each rank's block must start at a
+    multiple of k (``check_aligned``), where its local slice ``[s::k]`` starts too."""
+    args, size, step = node.args, p.layout.size, _slice_step(node)
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    if not all(isinstance(v, int) or v is None for v in (start, end, step)) or \
+            p.layout.copies != 1 or p.layout.tiles != 1 or size % step:
+        return None
+    s, e, _ = slice(start, end, step).indices(size)
+    if s >= step or len(range(s, e, step)) != size // step:
+        return None
+    return Shard(p.dim, split_layout(p.layout, size // step, step))
+
+
 def _slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:
     """``[start, stop)`` of a ``slice`` with step 1 and static bounds, clamped as Python does."""
     args = node.args
@@ -326,9 +349,10 @@ def _localize_dim_op(node, local):
         asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
         dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
         local.replace_target(node, aten.squeeze.dims, (x, dims))
-    elif node.target is aten.slice.Tensor and local.input_sharded_on(
+    elif node.target is aten.slice.Tensor and _slice_step(node) == 1 and local.input_sharded_on(
             node, node.args[1] if len(node.args) > 1 else 0):
         # a whole-dim slice keeps the rank's shard; a chunk's bounds become the rank's part of it
+        # (a strided one over the whole dim runs as it is: [s::k] of each rank's block)
         p, (out,) = local.consumed(node.args[0], node), local.out_placements(node)
         start, _ = _slice_bounds(node, p.layout.size)
         node.args = tuple(node.args) + (0, None, None)[len(node.args) - 1:]
