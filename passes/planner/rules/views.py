@@ -123,8 +123,9 @@ def _size_one_squeezed(node, p: Shard):
         return None
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
     dims = [norm_dim(x, n_in) for x in dims]
-    return None if d in dims else Shard(d - sum(x < d and shape(node.args[0])[x] == 1 for x in dims),
-                                        p.layout)
+    squeezed = [x for x in dims if x < d and isinstance(shape(node.args[0])[x], int)
+                and shape(node.args[0])[x] == 1]  # squeeze leaves dims longer than 1 alone
+    return None if d in dims else Shard(d - len(squeezed), p.layout)
 
 
 def _untile(p: Shard, src, dst, real_in, real_out):
