@@ -72,7 +72,7 @@ COMMAND = "nice -n 19 python bench/hf_sweep.py --numerics --jobs 2"
 
 # At Megatron's bound and exact on 2 gloo ranks in results/hf_sweep.md, chosen to cover the
 # distinct ways of writing a decoder block; for CI (`--representative`). Bloom (custom
-# autograd.Function) and Falcon (MQA fused QKV) are not at the bound yet, so not here.
+# autograd.Function, not captured) is not here.
 REPRESENTATIVE: tuple[str, ...] = (
     "LlamaForCausalLM",      # SwiGLU, RoPE, GQA 4q/2kv: KV heads sharded with their queries
     "MistralForCausalLM",    # llama-like with a sliding window
@@ -93,6 +93,8 @@ REPRESENTATIVE: tuple[str, ...] = (
     "ElectraForCausalLM",    # post-LN, embeddings projected: layer 0's input all-reduced outside it
     "BambaForCausalLM",      # Mamba-2 with one B / C group: those chunks of in_proj whole
     "Qwen3_5ForCausalLM",    # gated delta rule: its in-place forward substitution made out of place
+    "FalconForCausalLM",     # MQA: the kv head picked from the fused qkv by list indices
+    "GptOssForCausalLM",     # interleaved gate/up by strided slices, per-expert biases by index
 )
 
 # Observed between runs of the same sweep, not in one row: numerics on gloo ranks raised

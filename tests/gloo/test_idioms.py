@@ -76,8 +76,7 @@ def test_plan_is_megatrons(name, world_size):
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group",
-                       "fused_qkv_mqa_indexed")
+                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group")
 
 
 def _numerics_params() -> list:

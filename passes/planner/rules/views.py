@@ -180,9 +180,10 @@ def _dim_op(op):
     mapped = _maps(op.node, _shard_of(op, x))
     chunk = op.node.target is aten.slice.Tensor and mapped is not None \
         and mapped.layout != op.placement(x).layout
+    written = chunk and any(_written(v) for v in x.users)
     small = (chunk and mapped.layout.size < op.specs.world_size
-             and not op.specs.is_full(mapped.layout))
-    if small and op.param_behind(x) is None and op.is_chunk(mapped.layout):
+             and (written or not op.specs.is_full(mapped.layout)))
+    if small and not written and op.param_behind(x) is None and op.is_chunk(mapped.layout):
         # a chunk of a fused projection too small to split over the ranks (Falcon's one key
         # head, ``qkv[..., -2:-1, :]``): computed whole on every rank, like MQA's k / v
         op.require_whole(f"{op.node.name} takes {mapped.layout.size} of {x.name}'s "
@@ -203,6 +204,15 @@ def _dim_op(op):
 
 def _maps(node, p: Shard):
     return (_map_view if node.target in VIEWS else _map_dim)(node, p)
+
+
+def _written(node: fx.Node) -> bool:
+    """Whether an op writes into ``node`` in place (``h[..., :2] = 0``): slices of a tensor
+    written that way are gathered as before, so the write's own reason keeps its region
+    replicated."""
+    return any(isinstance(u.target, torch._ops.OpOverload) and u.args and u.args[0] is node
+               and (a := u.target._schema.arguments[0].alias_info) is not None and a.is_write
+               for u in node.users)
 
 
 def _map_dim(node, p: Shard):
