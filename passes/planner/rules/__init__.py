@@ -87,13 +87,13 @@ def is_view(node: fx.Node) -> bool:
 
 def shard_map(node: fx.Node) -> Callable | None:
     """Where a shard of ``node``'s first input lands in its output, for ops that carry it whole:
-    views (their ``maps``), lookups (``carries``) and elementwise ops of one tensor that keep its shape (the shard
-    stays where it is). None for every other op."""
+    views (their ``maps``), lookups (``carries``) and elementwise ops of one tensor that keep
+    its shape (the shard stays where it is). None for every other op."""
     rule = rule_for(node)
     if rule is None or not node.args:
         return None
-    if rule.maps is not None or rule.carries is not None:
-        return rule.maps or rule.carries
+    if (carried := rule.maps or rule.carries) is not None:
+        return carried
     if rule.elementwise and len(_tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
         return lambda node, shard: shard
     return None

@@ -50,14 +50,14 @@ def _index_dims(node: fx.Node) -> tuple[list[int], list]:
     return picked, kept[:at] + [None] * width + kept[at:]
 
 
-def _index_maps(node: fx.Node, p: Shard):
+def _index_carries(node: fx.Node, p: Shard):
     """A shard of a dim no index reads moves to its output dim (an MoE's per-expert biases
     picked per token, ``bias[expert_ids]``, cut by features): see ``_absorb_params``."""
     picked, out = _index_dims(node)
     return None if p.dim in picked else Shard(out.index(p.dim), p.layout)
 
 
-@register(aten.index.Tensor, carries=_index_maps)
+@register(aten.index.Tensor, carries=_index_carries)
 def _index(op):
     """``x[i0, i1, ...]`` with index tensors (advanced indexing): gathering rows is linear, so a
     partial ``x`` stays partial, and a shard of a dim no index reads moves to its output dim."""

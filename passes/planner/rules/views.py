@@ -15,6 +15,7 @@ from tpcompile.passes.planner.dims import (
     chunk_layout, merge_layout, norm_dim, shape, size_expr, split_layout, sub_layout,
     tile_layout, untile_layout, val, view_groups,
 )
+from tpcompile.passes.planner.mutations import written_args
 from tpcompile.passes.planner.rules import is_view, register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 
@@ -180,7 +181,9 @@ def _dim_op(op):
     mapped = _maps(op.node, _shard_of(op, x))
     chunk = op.node.target is aten.slice.Tensor and mapped is not None \
         and mapped.layout != op.placement(x).layout
-    written = chunk and any(_written(v) for v in x.users)
+    # a slice of a tensor written in place (``h[..., :2] = 0``) is gathered as before, so the
+    # write's own reason keeps its region replicated
+    written = chunk and any(v in written_args(u) for v in x.users for u in v.users)
     small = (chunk and mapped.layout.size < op.specs.world_size
              and (written or not op.specs.is_full(mapped.layout)))
     if small and not written and op.param_behind(x) is None and op.is_chunk(mapped.layout):
@@ -204,15 +207,6 @@ def _dim_op(op):
 
 def _maps(node, p: Shard):
     return (_map_view if node.target in VIEWS else _map_dim)(node, p)
-
-
-def _written(node: fx.Node) -> bool:
-    """Whether an op writes into ``node`` in place (``h[..., :2] = 0``): slices of a tensor
-    written that way are gathered as before, so the write's own reason keeps its region
-    replicated."""
-    return any(isinstance(u.target, torch._ops.OpOverload) and u.args and u.args[0] is node
-               and (a := u.target._schema.arguments[0].alias_info) is not None and a.is_write
-               for u in node.users)
 
 
 def _map_dim(node, p: Shard):
