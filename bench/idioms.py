@@ -13,8 +13,10 @@ Plans come from ``tpcompile.explain``, with no process group. Per idiom and worl
   plan cuts (``bench/memory.py``'s ``ideal_split`` with those globs, not the plan's own styles);
 * collectives per layer, forward / backward: tpcompile's, the bound the report derives from the
   chains the planner found (``report.megatron``), and the idiom's Megatron bound (``Expect``:
-  2 / 2, +1 backward per replicated KV tensor; an MoE is one chain, its experts' partial sums
-  added before one all-reduce, +1 backward for the routing weights' gradient);
+  1 + 1 per chain; replicated K / V and an MoE's routing weights have their gradients synced in
+  the block input's all-reduce; an MoE is one chain, its experts' partial sums added before
+  one all-reduce; a chunk kept whole inside a fused weight or a norm over sharded features
+  costs what the idiom's ``Expect`` says);
 * *not as expected*: parameters whose style is not the expected one, or whose shards differ
   between ranks (every width here divides by 2 and 4); layer and expert indices folded to ``*``;
 * *outside layers*: collectives outside the blocks; *gathers / fallbacks*: every all-gather or

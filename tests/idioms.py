@@ -40,9 +40,10 @@ class Expect:
 
     Every trainable parameter matches exactly one of ``colwise``, ``rowwise``, ``replicated``.
     ``kv`` are column-parallel while the ``kv_heads`` KV heads can be split over the ranks, and
-    replicated when there are fewer KV heads than ranks (Megatron's replicated KV groups: their
-    gradients are all-reduced, bucketed: one more backward all-reduce per layer). The
-    all-reduces are per layer and training step: 1 + 1 per column -> row chain.
+    replicated when there are fewer KV heads than ranks (Megatron's replicated KV groups). The
+    whole k and v those compute on every rank have partial gradients, all-reduced in the
+    attention input's bucket: no extra all-reduce. The all-reduces are per layer and training
+    step: 1 + 1 per column -> row chain.
     """
 
     colwise: tuple[str, ...]
@@ -61,8 +62,7 @@ class Expect:
         """The plan for ``world_size`` ranks, with ``kv`` resolved (and emptied)."""
         if world_size <= self.kv_heads:
             return replace(self, colwise=self.colwise + self.kv, kv=())
-        return replace(self, replicated=self.replicated + self.kv, kv=(),
-                       bwd_allreduce_per_layer=self.bwd_allreduce_per_layer + bool(self.kv))
+        return replace(self, replicated=self.replicated + self.kv, kv=())
 
     def style(self, fqn: str) -> str | None:
         """colwise | rowwise | replicate for ``fqn`` (after ``at``); None if no glob names it."""
@@ -176,10 +176,10 @@ class Block(nn.Module):
 class LM(nn.Module):
     """Embedding -> LAYERS blocks -> RMSNorm -> LM head; ``layer_inputs`` feeds every block."""
 
-    def __init__(self, attn=Attention, mlp=SwiGLU):
+    def __init__(self, attn=Attention, mlp=SwiGLU, block=Block):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Block(attn, mlp) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(block(attn, mlp) for _ in range(LAYERS))
         self.norm = RMSNorm()
         self.head = nn.Linear(D, VOCAB, bias=False)
 
@@ -712,17 +712,79 @@ class StackedMoE(nn.Module):
         return (gates.t().unsqueeze(-1) * y).sum(0).view(B, T, C)
 
 
+class ScaledTokensMoE(nn.Module):
+    """Llama 4: every token repeated per expert and scaled by its sigmoid routing score before
+    stacked ``(experts, in, out)`` experts (one fused gate_up, bmm), plus a shared expert that
+    reads the unscaled tokens."""
+
+    def __init__(self, n_experts: int = 4, top_k: int = 1, hidden: int = 64):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.router = nn.Linear(D, n_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(n_experts, D, 2 * hidden) / math.sqrt(D))
+        self.down = nn.Parameter(torch.randn(n_experts, hidden, D) / math.sqrt(hidden))
+        self.shared = SwiGLU(hidden)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        logits = self.router(flat)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        scores = torch.full_like(logits, float("-inf")).scatter(1, chosen, top)
+        scores = torch.sigmoid(scores.transpose(0, 1))  # (experts, tokens)
+        routed = (flat.repeat(self.n_experts, 1) * scores.reshape(-1, 1)).view(self.n_experts, -1, C)
+        gate, up = torch.bmm(routed, self.gate_up).chunk(2, dim=-1)
+        y = torch.bmm(up * F.silu(gate), self.down)
+        return (self.shared(flat) + y.sum(0)).view(B, T, C)
+
+
+PER_LAYER = 32
+
+
+class PerLayerInputBlock(Block):
+    """A block that ends by gating a projection of its stream with its own per-layer input."""
+
+    def __init__(self, attn, mlp):
+        super().__init__(attn, mlp)
+        self.gate = nn.Linear(D, PER_LAYER, bias=False)
+        self.project = nn.Linear(PER_LAYER, D, bias=False)
+
+    def forward(self, x, per_layer_input):
+        x = super().forward(x)
+        return x + self.project(F.gelu(self.gate(x)) * per_layer_input)
+
+
+class PerLayerInputLM(LM):
+    """Gemma 3n / Gemma 4 per-layer inputs: one (B, T, layers, P) tensor made before the blocks
+    (its own embedding plus a normalised projection of the token embeddings), block i reading
+    ``inputs[:, :, i, :]``."""
+
+    def __init__(self):
+        super().__init__(block=PerLayerInputBlock)
+        self.embed_per_layer = nn.Embedding(VOCAB, LAYERS * PER_LAYER)
+        self.per_layer_proj = nn.Linear(D, LAYERS * PER_LAYER, bias=False)
+        self.per_layer_norm = RMSNorm(PER_LAYER)
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        x = self.embed(tokens)
+        made = self.per_layer_norm(self.per_layer_proj(x).view(B, T, LAYERS, PER_LAYER))
+        inputs = (made + self.embed_per_layer(tokens).view(B, T, LAYERS, PER_LAYER)) * 2 ** -0.5
+        for i, layer in enumerate(self.layers):
+            x = layer(x, inputs[:, :, i, :])
+        return self.head(self.norm(x))
+
+
 # ----------------------------------------------------------------- the registry
 
 MOE_EXPERTS = _in_layers("mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"), \
     _in_layers("mlp.experts.*.w2.weight")
 _KV = _in_layers("attn.wk.weight", "attn.wv.weight")
 # Experts sharded like SwiGLUs, their partial outputs weighted and summed, then ONE forward
-# all-reduce. Backward: the block's input gradient (1) and the routing weights' gradient,
-# <expert output, grad> over partial outputs, reduced once (N x top_k values, or the router's
-# weight gradient): 1 more than a dense MLP.
-MOE = dict(replicated=BASELINE.replicated + _in_layers("mlp.router.weight"),
-           bwd_allreduce_per_layer=3)
+# all-reduce. Backward: ONE too. The routing weights' gradient, <expert output, grad> over
+# partial outputs, is a partial sum as well; the routing weights are computed from the block's
+# input (not from a consumer of its synced copy), so both share one all-reduce.
+MOE = dict(replicated=BASELINE.replicated + _in_layers("mlp.router.weight"))
 _REGISTRY = [
     # name, factory, expected plan
     ("rope_rotate_half", lambda: LM(attn=RotateHalfRoPE), BASELINE),
@@ -798,6 +860,18 @@ _REGISTRY = [
      mlp_expect(*MOE_EXPERTS, **MOE)),
     ("moe_stacked_bmm", lambda: LM(mlp=StackedMoE),
      mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
+    # the routed tokens' gradient sync shares one all-reduce with the shared expert's input
+    ("moe_scaled_tokens", lambda: LM(mlp=ScaledTokensMoE),
+     mlp_expect(col=_in_layers("mlp.gate_up", "mlp.shared.w1.weight", "mlp.shared.w3.weight"),
+                row=_in_layers("mlp.down", "mlp.shared.w2.weight"), **MOE)),
+    # a third chain per block (gate -> project); the per-layer inputs' gradient sync, made before
+    # the blocks, shares the first block's first all-reduce
+    ("per_layer_inputs", PerLayerInputLM,
+     Expect(colwise=BASELINE.colwise + _in_layers("gate.weight"),
+            rowwise=BASELINE.rowwise + _in_layers("project.weight"),
+            replicated=BASELINE.replicated + ("embed_per_layer.weight", "per_layer_proj.weight",
+                                              "per_layer_norm.weight"),
+            fwd_allreduce_per_layer=3, bwd_allreduce_per_layer=3)),
     ("sdpa_padding_mask", lambda: PaddingMaskLM(attn=MaskedSDPA), BASELINE),
     ("mqa_sdpa_broadcast", lambda: LM(attn=partial(Attention, n_kv_heads=1)),  # Falcon
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
@@ -833,6 +907,8 @@ STYLES = {
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
+    "moe_scaled_tokens": "Llama 4: tokens `repeat`ed per expert times sigmoid scores, stacked `(experts, in, out)` gate_up through `bmm`, a shared expert",
+    "per_layer_inputs": "Gemma 3n / 4 per-layer inputs: a `(B, T, layers, P)` tensor made before the blocks, block i gated by `inputs[:, :, i, :]`",
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
 }

@@ -141,18 +141,22 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
 
 def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list[list]:
     """The plan's gradient syncs of values, as [(value, partial users)] buckets: the values of
-    one repeated block made before any of them is read (k and v) share one all-reduce. The
-    readers that ran between one value and the next move after the last (they only depend on
-    earlier nodes), so the bucket exists before its first reader."""
+    one repeated block made before any of them is read (k and v) share one all-reduce, and so
+    does a value made outside the blocks with the bucket after it (Gemma 4's per-layer inputs,
+    made before the layers and read by each: their gradient is whole by the time the first
+    layer's input is synced). The readers that ran between one value and the next move after
+    the last (they only depend on earlier nodes), so the bucket exists before its first reader."""
     blocks, buckets, last = repeated_block_paths(gm), [], None
     synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
                     key=lambda item: order[item[0]])
     for value, users in synced:
         key = block_of(value, blocks)
-        if last is not None and key is not None and key == last[0] and _movable(last[1], value, order):
+        if (last is not None and (last[0] is None or key == last[0])
+                and _movable(last[1], value, order)):
+            last[0] = key
             last[1].append((value, users))
             continue
-        last = (key, [(value, users)])
+        last = [key, [(value, users)]]
         buckets.append(last[1])
     for bucket in buckets:
         _readers_after(bucket, order)
@@ -171,12 +175,14 @@ def _early_readers(bucket: list, anchor: fx.Node, order: dict) -> list[fx.Node]:
 
 
 def _movable(bucket: list, value: fx.Node, order: dict) -> bool:
-    """``value`` may join: it is not computed from any of the bucket's values."""
-    members, first = {v for v, _ in bucket}, order[bucket[0][0]]
+    """``value`` may join: it is not computed from a reader of the bucket's synced copies (the
+    bucket would then need its own result). Computed from a bucket value directly is fine:
+    Llama 4's routed tokens (tokens times their routing scores) join the tokens' sync."""
+    readers, first = {u for _, us in bucket for u in us}, order[bucket[0][0]]
     todo, seen = [value], set()
     while todo:
         n = todo.pop()
-        if n in members:
+        if n in readers:
             return False
         if n not in seen and order[n] > first:
             seen.add(n)

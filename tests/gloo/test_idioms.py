@@ -57,6 +57,10 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     # Falcon-7B's k / v heads picked by list indices: planned as slices of the fused projection
     "fused_qkv_mqa_indexed": (2, 4),
     "t5_relative_bias": (2, 4),        # a (buckets, heads) embedding table cut by heads
+    # gradient syncs sharing one all-reduce: Llama 4's scaled routed tokens with the shared
+    # expert's input; Gemma 4's per-layer inputs, made before the blocks, with the first block's
+    "moe_scaled_tokens": (2, 4),
+    "per_layer_inputs": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import idioms
 from tpcompile.tools import models
 from tpcompile.runtime import collectives as C
 from tpcompile.api import rewrite
@@ -46,3 +47,31 @@ def test_rewritten_graph_runs_at_world_size_one_per_rank_shapes():
                                          "clone_converted_writes", "materialize_params",
                                          "fuse_bias", "fuse_sequence_linears"]
     torch.testing.assert_close(gm(*x), model(*x), rtol=0, atol=0)
+
+
+def _backward_syncs(gm) -> list[list[str]]:
+    """The values of each gradient all-reduce (one per copy_to_region / copy_all_to_region)."""
+    return ([[n.args[0].name] for n in calls(gm, C.copy_to_region)]
+            + [[v.name for v in n.args[0]] for n in calls(gm, C.copy_all_to_region)])
+
+
+def test_a_value_computed_from_a_synced_value_shares_its_all_reduce():
+    """Llama 4 scales each expert's copy of the tokens by its routing score: the product is
+    computed from the tokens, not from a reader of their synced copy, so the shared expert's
+    input and the routed tokens are reduced in one all-reduce per MoE block."""
+    gm, _, _ = rewrite(idioms.build("moe_scaled_tokens"), idioms.example_inputs(), 2, rank=0)
+    syncs = _backward_syncs(gm)
+    assert len(syncs) == 2 * idioms.LAYERS, syncs
+    assert sum(len(s) == 2 for s in syncs) == idioms.LAYERS, syncs
+
+
+def test_a_value_made_before_the_blocks_joins_the_first_blocks_all_reduce():
+    """Gemma 4's per-layer inputs are made once before the blocks and read by each: their
+    gradient is whole before the first block's input is synced, so that all-reduce carries it."""
+    gm, _, _ = rewrite(idioms.build("per_layer_inputs"), idioms.example_inputs(), 2, rank=0)
+    syncs = _backward_syncs(gm)
+    assert len(syncs) == 3 * idioms.LAYERS, syncs
+    made_before = {n.name for n in gm.graph.nodes if n.op == "call_function"
+                   and not any("layers" in path for path, _ in (n.meta.get("nn_module_stack") or {}).values())}
+    early = [s for s in syncs if made_before & set(s)]
+    assert len(early) == 1 and len(early[0]) > 1, syncs

@@ -84,8 +84,10 @@ def _message_shape(call: fx.Node, value) -> list:
 
 
 def _input(call: fx.Node) -> fx.Node:
-    """The value a collective call converts (a bucketed gradient sync's first value)."""
-    return call.args[0][0] if isinstance(call.args[0], (list, tuple)) else call.args[0]
+    """The value a collective call converts; for a bucketed gradient sync its last value, made
+    in the layer whose backward completes the bucket (a value made before the layers joins the
+    first layer's bucket)."""
+    return call.args[0][-1] if isinstance(call.args[0], (list, tuple)) else call.args[0]
 
 
 def _layers(trace: RewriteTrace) -> dict[str, str]:
