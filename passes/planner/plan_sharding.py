@@ -23,7 +23,8 @@ a killed root stays killed; 4 merges reductions only of regions that stand as wr
 
 Then parameters whose every use wants the same shard are sharded themselves (instead of being
 sliced at each use), and replicated values whose gradient arrives as per-rank partial sums are
-marked for a gradient all-reduce (Megatron's *f*), one per value however many consumers.
+marked for a gradient all-reduce (Megatron's *f*), one per value however many consumers
+(:mod:`tpcompile.passes.planner.grad_syncs`).
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ from torch import fx
 
 from tpcompile.core.capture import Capture, origin
 from tpcompile.errors import TPCompileError
-from tpcompile.core.placement import Misaligned, Partial, Replicate, Shard, Specs, each
+from tpcompile.core.placement import Misaligned, Partial, Replicate, Shard, Specs
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import (
-    FRESH_BUFFERS, LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, shard_map,
+    LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, shard_map,
+)
+from tpcompile.passes.planner.grad_syncs import (
+    grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks,
 )
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
@@ -61,7 +65,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
     constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
-    needs_grad = _needs_grad(gm, cap.params)
+    needs_grad = values_with_grad(gm, cap.params)
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)
         fresh = [d for d in state.demands if d not in constraints.demands]
@@ -81,7 +85,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         dead.update((r, why) for r, why in _written_copies(gm, state, cap.params, needs_grad).items()
                     if r not in dead)
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
-        dead.update((r, why) for r, why in _whole_grads_into_chunks(gm, state, needs_grad).items()
+        dead.update((r, why) for r, why in whole_grads_into_chunks(gm, state, needs_grad).items()
                     if r not in dead)
         if dead:
             constraints.killed.update(dead)
@@ -187,7 +191,7 @@ def _statistic(state: Propagation, node: fx.Node) -> bool:
     """A partial sum that is a per-token statistic, or computed from statistics alone."""
     if node in state.statistics:
         return True
-    inputs = [a for a in node.all_input_nodes if _is_distributed(state.placements.get(a))]
+    inputs = [a for a in node.all_input_nodes if is_distributed(state.placements.get(a))]
     return (isinstance(state.placements.get(node), Partial) and bool(inputs)
             and all(_statistic(state, a) for a in inputs))
 
@@ -219,7 +223,7 @@ def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: 
     """
     @functools.cache
     def syncs() -> dict:  # only models with in-place writes ask
-        return _grad_syncs(gm, state, needs_grad)
+        return grad_syncs(gm, state, needs_grad)
 
     def copied(value, user) -> bool:
         if (value, user) in state.conversions:
@@ -376,35 +380,7 @@ def _stale_ties(state: Propagation, constraints) -> dict[str, str]:
             if root in state.roots and all(u.target in LOOKUPS for u in state.root_users.get(root, ()))}
 
 
-def _floating(v) -> bool:
-    """A floating (or complex: RoPE's rotation) tensor, or a multi-output op's list holding
-    one (split, chunk, unbind)."""
-    if isinstance(v, (list, tuple)):
-        return any(_floating(x) for x in v)
-    return isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
 
-
-def _needs_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
-    """Values that may carry a gradient: floating tensors downstream of params or inputs.
-
-    A split's output list carries them through to its getitems; without it, a value reached
-    only through a fused qkv split would lose its gradient all-reduce (Megatron f). A new
-    buffer (``zeros_like(x)``) carries none: it reads only ``x``'s shape.
-    """
-    out = set()
-    for node in gm.graph.nodes:
-        if not _floating(val(node)):
-            continue
-        if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
-            out.add(node)
-        elif (node.op == "call_function" and node.target not in FRESH_BUFFERS
-              and any(a in out for a in node.all_input_nodes)):
-            out.add(node)
-    return out
-
-
-def _is_distributed(p) -> bool:
-    return any(x is not None and not isinstance(x, Replicate) for x in each(p))
 
 
 def _absorb_params(gm, state: Propagation) -> None:
@@ -465,123 +441,11 @@ def _cuttable(specs: Specs, placements: list[Shard]) -> bool:
     return True
 
 
-def _grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, ...]]:
-    """Replicated values some consumers differentiate only partially (per rank) -> those
-    consumers, which read the value through one gradient all-reduce (Megatron's *f*).
-
-    Sum, then reduce: a replicated value every differentiating consumer of which is partial,
-    computed by a replicated op from one value that carries a gradient, passes its gradient
-    to that value through a Jacobian every rank shares (a VJP is linear in the gradient), so
-    the sum over ranks may be taken there instead. The sync moves up, and the syncs of values
-    forked from one (each expert's ``index_select`` of the tokens, each expert's pick of the
-    routing weights) become one.
-    """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    copies = _copies_of_whole_chunks(gm, state, needs_grad)
-    partial: dict[fx.Node, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node in needs_grad and isinstance(state.placements.get(node), Replicate) and node not in copies:
-            users = [u for u in node.users if _partial_grad_edge(state, node, u)]
-            if users:
-                partial[node] = users
-    for node in copies:  # their partial gradient reaches replicated inputs outside the region
-        for a in node.all_input_nodes:
-            if (a in needs_grad and a not in copies and (a, node) not in state.conversions
-                    and isinstance(state.placements.get(a), Replicate)):
-                partial.setdefault(a, []).append(node)
-    for node in reversed(gm.graph.nodes):
-        up = _hoisted_to(state, node, partial.get(node, ()), needs_grad)
-        if up is not None:
-            del partial[node]
-            partial.setdefault(up, []).append(node)
-    return {n.name: tuple(u.name for u in sorted(partial[n], key=order.__getitem__))
-            for n in sorted(partial, key=order.__getitem__)}
 
 
-def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set) -> dict[fx.Node, bool]:
-    """Replicated values computed, with no conversion, from a chunk kept whole on every rank
-    (``require_whole``) or from such values -> whether every gradient they receive is partial.
-
-    A whole chunk is part of its region: each rank's gradient of it is a partial sum, which the
-    region's own gradient sync (at its column-parallel root's input) adds up. A value computed
-    from it (Mamba-2's ``C . B``) is the same while every consumer differentiates it partially;
-    one that something differentiates whole on every rank would be summed ``world_size`` times
-    (:func:`_whole_grads_into_chunks` keeps such regions replicated).
-    """
-    copies: dict[fx.Node, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(state.placements.get(node), Replicate):
-            continue
-        if any((a, node) not in state.conversions and (a in copies or _whole_shard(state, a))
-               for a in node.all_input_nodes):
-            copies[node] = False
-    for node in reversed(list(copies)):
-        copies[node] = all(_partial_grad_edge(state, node, u) or copies.get(u, False)
-                           for u in node.users if u in needs_grad or u.op == "output")
-    return copies
 
 
-def _whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str, str]:
-    """Roots of whole chunks a replicated value computed from them hands a gradient that is
-    whole on every rank (read by replicated code that differentiates it): root -> why."""
-    out = {}
-    copies = _copies_of_whole_chunks(gm, state, needs_grad)
-    for node, partial in copies.items():
-        if partial or node not in needs_grad:
-            continue
-        todo, seen = [node], set()
-        while todo:
-            n = todo.pop()
-            for a in n.all_input_nodes:
-                if a in copies and a not in seen:
-                    seen.add(a)
-                    todo.append(a)
-                elif _whole_shard(state, a):
-                    out.setdefault(state.placements[a].layout.root, (
-                        f"{node.name} ({origin(node)}) is computed from a chunk kept whole and "
-                        "differentiated whole on every rank: the region's gradient sync would "
-                        "count its gradient once per rank"))
-    return out
 
-
-def _whole_shard(state: Propagation, node: fx.Node) -> bool:
-    p = state.placements.get(node)
-    return isinstance(p, Shard) and state.specs.is_full(p.layout)
-
-
-def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node) -> bool:
-    dst = state.conversions.get((value, user))
-    return isinstance(dst, Shard) or (dst is None and _is_distributed(state.placements.get(user)))
-
-
-def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: set):
-    """The one replicated value ``node``'s partial gradient may be summed at, or None."""
-    if not partial_users or node.op != "call_function":
-        return None
-    if any(u not in partial_users and (u in needs_grad or u.op == "output") for u in node.users):
-        return None  # some consumer's gradient is whole on every rank: it must not be summed
-    inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
-    if any(not isinstance(state.placements.get(a), Replicate) or (a, node) in state.conversions
-           for a in inputs):
-        return None  # a gathered or reduced input: its backward is no plain VJP on each rank
-    carriers = [a for a in inputs if a in needs_grad]
-    if len(carriers) != 1 or carriers[0].op != "call_function":
-        return None
-    return carriers[0]
-
-
-def _partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:
-    """Whether the replicated value a conversion produces is differentiated partially per rank.
-
-    A gather whose result a sharded op reads, and a re-shard (S -> S on another dim or layout:
-    gathered whole, then sliced per rank) both hand each rank's slice of the gradient back to
-    a replicated value: the gather's backward must sum those over ranks.
-    """
-    src = state.placements.get(value)
-    if isinstance(dst, Shard):
-        return isinstance(src, Shard) and (
-            src.dim != dst.dim or not state.specs.contains(src.layout, dst.layout))
-    return isinstance(dst, Replicate) and _is_distributed(state.placements.get(user))
 
 
 def _style(node: fx.Node, state: Propagation) -> str:
@@ -623,8 +487,8 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
-    needs_grad = _needs_grad(gm, cap.params)
-    syncs = _grad_syncs(gm, state, needs_grad)
+    needs_grad = values_with_grad(gm, cap.params)
+    syncs = grad_syncs(gm, state, needs_grad)
     params = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
@@ -650,7 +514,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int)
             grad_sync=grad_sync, reason=reason)
     conversions = tuple(
         Conversion(value.name, user.name, state.placements.get(value), dst,
-                   sum_grads=value in needs_grad and _partial_grads(state, value, user, dst))
+                   sum_grads=value in needs_grad and partial_grads(state, value, user, dst))
         for (value, user), dst in state.conversions.items())
     used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
     outputs = tuple(_consumed(state, a, state.output) for a in state.output.all_input_nodes)

@@ -1,0 +1,173 @@
+"""Which replicated values need their gradient all-reduced (Megatron's *f*), and where.
+
+A replicated value read by a sharded op gets, on each rank, only that rank's part of its
+gradient: the parts must be summed over ranks before the value's own backward runs on. The
+planner marks such values here (``grad_syncs``: value -> the consumers that make its gradient
+partial); ``insert_collectives`` puts one ``copy_to_region`` in front of those consumers, and
+buckets the syncs of one block into one all-reduce. The sync moves up to where the sum can
+be taken once (a fork into experts, say), never past a value two carriers make.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.core.capture import origin
+from tpcompile.core.placement import Replicate, Shard, each
+from tpcompile.passes.planner.dims import val
+from tpcompile.passes.planner.propagate import Propagation
+from tpcompile.passes.planner.rules import FRESH_BUFFERS
+
+__all__ = ["values_with_grad", "grad_syncs", "whole_grads_into_chunks", "partial_grads", "is_distributed"]
+
+
+def _floating(v) -> bool:
+    """A floating (or complex: RoPE's rotation) tensor, or a multi-output op's list holding
+    one (split, chunk, unbind)."""
+    if isinstance(v, (list, tuple)):
+        return any(_floating(x) for x in v)
+    return isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+
+
+def values_with_grad(gm: fx.GraphModule, params: frozenset[str]) -> set[fx.Node]:
+    """Values that may carry a gradient: floating tensors downstream of params or inputs.
+
+    A split's output list carries them through to its getitems; without it, a value reached
+    only through a fused qkv split would lose its gradient all-reduce (Megatron f). A new
+    buffer (``zeros_like(x)``) carries none: it reads only ``x``'s shape.
+    """
+    out = set()
+    for node in gm.graph.nodes:
+        if not _floating(val(node)):
+            continue
+        if node.op == "placeholder" or (node.op == "get_attr" and node.target in params):
+            out.add(node)
+        elif (node.op == "call_function" and node.target not in FRESH_BUFFERS
+              and any(a in out for a in node.all_input_nodes)):
+            out.add(node)
+    return out
+
+
+def is_distributed(p) -> bool:
+    """Some part of placement ``p`` (a multi-output op's list too) is a shard or a partial sum."""
+    return any(x is not None and not isinstance(x, Replicate) for x in each(p))
+
+
+def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, ...]]:
+    """Replicated values some consumers differentiate only partially (per rank) -> those
+    consumers, which read the value through one gradient all-reduce (Megatron's *f*).
+
+    Sum, then reduce: a replicated value every differentiating consumer of which is partial,
+    computed by a replicated op from one value that carries a gradient, passes its gradient
+    to that value through a Jacobian every rank shares (a VJP is linear in the gradient), so
+    the sum over ranks may be taken there instead. The sync moves up, and the syncs of values
+    forked from one (each expert's ``index_select`` of the tokens, each expert's pick of the
+    routing weights) become one.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    copies = _copies_of_whole_chunks(gm, state, needs_grad)
+    partial: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node in needs_grad and isinstance(state.placements.get(node), Replicate) and node not in copies:
+            users = [u for u in node.users if _partial_grad_edge(state, node, u)]
+            if users:
+                partial[node] = users
+    for node in copies:  # their partial gradient reaches replicated inputs outside the region
+        for a in node.all_input_nodes:
+            if (a in needs_grad and a not in copies and (a, node) not in state.conversions
+                    and isinstance(state.placements.get(a), Replicate)):
+                partial.setdefault(a, []).append(node)
+    for node in reversed(gm.graph.nodes):
+        up = _hoisted_to(state, node, partial.get(node, ()), needs_grad)
+        if up is not None:
+            del partial[node]
+            partial.setdefault(up, []).append(node)
+    return {n.name: tuple(u.name for u in sorted(partial[n], key=order.__getitem__))
+            for n in sorted(partial, key=order.__getitem__)}
+
+
+def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node) -> bool:
+    dst = state.conversions.get((value, user))
+    return isinstance(dst, Shard) or (dst is None and is_distributed(state.placements.get(user)))
+
+
+def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: set):
+    """The one replicated value ``node``'s partial gradient may be summed at, or None."""
+    if not partial_users or node.op != "call_function":
+        return None
+    if any(u not in partial_users and (u in needs_grad or u.op == "output") for u in node.users):
+        return None  # some consumer's gradient is whole on every rank: it must not be summed
+    inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
+    if any(not isinstance(state.placements.get(a), Replicate) or (a, node) in state.conversions
+           for a in inputs):
+        return None  # a gathered or reduced input: its backward is no plain VJP on each rank
+    carriers = [a for a in inputs if a in needs_grad]
+    if len(carriers) != 1 or carriers[0].op != "call_function":
+        return None
+    return carriers[0]
+
+
+def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set) -> dict[fx.Node, bool]:
+    """Replicated values computed, with no conversion, from a chunk kept whole on every rank
+    (``require_whole``) or from such values -> whether every gradient they receive is partial.
+
+    A whole chunk is part of its region: each rank's gradient of it is a partial sum, which the
+    region's own gradient sync (at its column-parallel root's input) adds up. A value computed
+    from it (Mamba-2's ``C . B``) is the same while every consumer differentiates it partially;
+    one that something differentiates whole on every rank would be summed ``world_size`` times
+    (:func:`whole_grads_into_chunks` keeps such regions replicated).
+    """
+    copies: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(state.placements.get(node), Replicate):
+            continue
+        if any((a, node) not in state.conversions and (a in copies or _whole_shard(state, a))
+               for a in node.all_input_nodes):
+            copies[node] = False
+    for node in reversed(list(copies)):
+        copies[node] = all(_partial_grad_edge(state, node, u) or copies.get(u, False)
+                           for u in node.users if u in needs_grad or u.op == "output")
+    return copies
+
+
+def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str, str]:
+    """Roots of whole chunks a replicated value computed from them hands a gradient that is
+    whole on every rank (read by replicated code that differentiates it): root -> why."""
+    out = {}
+    copies = _copies_of_whole_chunks(gm, state, needs_grad)
+    for node, partial in copies.items():
+        if partial or node not in needs_grad:
+            continue
+        todo, seen = [node], set()
+        while todo:
+            n = todo.pop()
+            for a in n.all_input_nodes:
+                if a in copies and a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+                elif _whole_shard(state, a):
+                    out.setdefault(state.placements[a].layout.root, (
+                        f"{node.name} ({origin(node)}) is computed from a chunk kept whole and "
+                        "differentiated whole on every rank: the region's gradient sync would "
+                        "count its gradient once per rank"))
+    return out
+
+
+def _whole_shard(state: Propagation, node: fx.Node) -> bool:
+    p = state.placements.get(node)
+    return isinstance(p, Shard) and state.specs.is_full(p.layout)
+
+
+def partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:
+    """Whether the replicated value a conversion produces is differentiated partially per rank.
+
+    A gather whose result a sharded op reads, and a re-shard (S -> S on another dim or layout:
+    gathered whole, then sliced per rank) both hand each rank's slice of the gradient back to
+    a replicated value: the gather's backward must sum those over ranks.
+    """
+    src = state.placements.get(value)
+    if isinstance(dst, Shard):
+        return isinstance(src, Shard) and (
+            src.dim != dst.dim or not state.specs.contains(src.layout, dst.layout))
+    return isinstance(dst, Replicate) and is_distributed(state.placements.get(user))
