@@ -141,8 +141,9 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
 
 def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list[list]:
     """The plan's gradient syncs of values, as [(value, partial users)] buckets: the values of
-    one repeated block made before any of them is read (k and v) share one all-reduce, and so
-    does a value made outside the blocks with the bucket after it (Gemma 4's per-layer inputs,
+    one repeated block share one all-reduce (k and v) unless one is computed from a reader of
+    another's synced copy (:func:`_movable`), and so does a value made outside the blocks with
+    the bucket after it (Gemma 4's per-layer inputs,
     made before the layers and read by each: their gradient is whole by the time the first
     layer's input is synced). The readers that ran between one value and the next move after
     the last (they only depend on earlier nodes), so the bucket exists before its first reader."""
