@@ -98,7 +98,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         constraints.reduce_early |= pieces
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
-    plan = _freeze(cap, state, constraints, world_size)
+    plan = _freeze(cap, state, constraints, world_size, needs_grad)
     check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
     return plan
 
@@ -483,11 +483,11 @@ def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: 
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
 
 
-def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int) -> ShardingPlan:
+def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
+            needs_grad: set) -> ShardingPlan:
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
-    needs_grad = values_with_grad(gm, cap.params)
     syncs = grad_syncs(gm, state, needs_grad)
     params = {}
     for node in gm.graph.nodes:
