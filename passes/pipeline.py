@@ -11,14 +11,19 @@ through :func:`plan` and :func:`rewrite`, so what is inspected is what runs:
 
 The runner lints after each pass and turns any failure into a :class:`TPCompileError` naming
 the pass, the passes before it and the cause. It regenerates Python code once, after the last
-pass (or after each when recording needs the code): code generation is most of a rewrite's
-time on a large graph (0.1 s per recompile at 2,000 nodes), and no pass reads it.
+pass (or after each when recording needs the code), and only if some pass changed the graph:
+code generation is most of a pass pipeline's time on a large graph (0.07-0.1 s per recompile
+at 2,000 nodes), and no pass reads it. A pass says whether it changed the graph by returning
+fx's :class:`~torch.fx.passes.infra.pass_base.PassResult`; one returning the graph module
+itself is taken to have changed it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import gc
 import time
 import types
 import warnings
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from torch import fx, nn
+from torch.fx.passes.infra.pass_base import PassResult
 
 from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
@@ -45,18 +51,19 @@ from tpcompile.passes.rewrite.sequence_linears import fuse_sequence_linears_pass
 from tpcompile.runtime.module import TPModule
 
 __all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES", "plan",
-           "rewrite", "rewrite_passes", "run_passes"]
+           "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen"]
 
-Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule]]
+Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
 
 
-def drop_dead_code_pass(gm: fx.GraphModule) -> fx.GraphModule:
+def drop_dead_code_pass(gm: fx.GraphModule) -> PassResult:
     """Pure ops nothing reads are dropped: torch.export keeps them, e.g. the arguments
     transformers' Mamba-2 mixers evaluate for a fused kernel that returns None on CPU
     (``conv1d.weight.squeeze(1)``), which would otherwise count as a second use of the weight.
     Parameters and buffers stay (``get_attr`` nodes are kept whether read or not)."""
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_function" or n.is_impure())
-    return gm
+    changed = gm.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.op != "call_function" or n.is_impure())
+    return PassResult(gm, changed)
 
 
 # graph -> graph, before the planner: the planner sees no dead code, matmuls without biases,
@@ -94,6 +101,26 @@ class Planned:
     seconds: dict[str, float] = field(default_factory=dict)  # capture, planning passes, planner
 
 
+@contextlib.contextmanager
+def older_objects_frozen():
+    """Garbage collections inside the block skip the objects that existed before it.
+
+    A full collection walks every object the process tracks. After torch.export that is
+    millions (fake tensors, sympy expressions, the model), about 0.2 s per collection on a
+    7B-shaped graph, and one landing inside planning or the rewrite doubled its time. What the
+    block allocates is collected as usual. A process that froze objects itself (``gc.freeze``
+    before forking workers) is left as it is: unfreezing would undo its own freeze.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_passes(gm: fx.GraphModule, passes: list[Pass],
                record: bool | Callable[[fx.GraphModule], str] = False):
     """Run ``passes`` on ``gm``; returns ``(gm, records)`` with the code before/after each.
@@ -107,15 +134,20 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
         def snapshot(g: fx.GraphModule) -> str:
             return g.code if record else ""
     records = []
+    stale = False  # the graph changed since gm's code was generated
     for i, (name, fn) in enumerate(passes):
         before = snapshot(gm)
         start = time.perf_counter()
         try:
-            out = fn(gm)
+            out, changed = fn(gm), True
+            if isinstance(out, PassResult):
+                out, changed = out
             assert isinstance(out, fx.GraphModule), f"pass returned {type(out).__name__}"
             out.graph.lint()
-            if record or i == len(passes) - 1:
+            stale = stale or changed
+            if stale and (record or i == len(passes) - 1):
                 out.recompile()
+                stale = False
         except TPCompileError:
             raise
         except Exception as e:  # noqa: BLE001 - wrapped with the pass context, cause kept
@@ -154,17 +186,18 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
     t1 = time.perf_counter()
     progress(f"captured {len(cap.gm.graph.nodes)} graph nodes in {t1 - t0:.1f}s; planning for "
              f"{world_size} ranks")
-    gm, records = run_passes(cap.gm, PLANNING_PASSES, record=record)
-    cap = replace(cap, gm=gm)
-    t2 = time.perf_counter()
-    sharding = plan_sharding(cap, world_size, options)
-    for _ in range(MAX_ROUNDS):  # ops with no rule that gathered: plan their decompositions
-        # every use of such an op: the same op in the next layer is the next blocker
-        ops = {n.target for n in gm.graph.nodes if NO_RULE in n.meta and decomposable(n)}
-        unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
-        if not decompose_nodes(gm, unruled):
-            break
+    with older_objects_frozen():
+        gm, records = run_passes(cap.gm, PLANNING_PASSES, record=record)
+        cap = replace(cap, gm=gm)
+        t2 = time.perf_counter()
         sharding = plan_sharding(cap, world_size, options)
+        for _ in range(MAX_ROUNDS):  # ops with no rule that gathered: plan their decompositions
+            # every use of such an op: the same op in the next layer is the next blocker
+            ops = {n.target for n in gm.graph.nodes if NO_RULE in n.meta and decomposable(n)}
+            unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+            if not decompose_nodes(gm, unruled):
+                break
+            sharding = plan_sharding(cap, world_size, options)
     seconds = {"capture": t1 - t0, "planning_passes": t2 - t1,
                "plan_sharding": time.perf_counter() - t2}
     return Planned(cap, sharding, tuple(records), seconds)
@@ -194,7 +227,12 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     copied.meta = dict(gm.meta)
     with warnings.catch_warnings():  # torch's own deprecation note on copying pytree specs
         warnings.simplefilter("ignore", FutureWarning)
-        copied.graph = copy.deepcopy(gm.graph)  # nodes' meta dicts are copied, values shared
+        graph = copy.deepcopy(gm.graph)  # nodes' meta dicts are copied, values shared
+    # Not ``copied.graph = graph``: that setter regenerates the code, a third of the copy's time
+    # on a large graph. The graph is gm's, so gm's code and forward are the copy's until the
+    # rewrite's passes edit the graph and ``run_passes`` recompiles it.
+    copied._graph, graph.owning_module = graph, copied
+    type(copied).forward = type(gm).forward
     return copied
 
 
@@ -220,4 +258,5 @@ def rewrite(planned: Planned, rank: int, group_name: str, *,
     graph, not a copy of every weight of a real 7B model).
     """
     passes = [p for p in rewrite_passes(planned.plan, rank, group_name) if p[0] not in skip]
-    return run_passes(copy_graph(planned.cap.gm), passes, record=record)
+    with older_objects_frozen():
+        return run_passes(copy_graph(planned.cap.gm), passes, record=record)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.mutations import aliases, written_args
@@ -82,7 +83,7 @@ def _computed(node: fx.Node) -> bool:
             and schema.returns[0].alias_info is None and isinstance(val(node), torch.Tensor))
 
 
-def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
+def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> PassResult:
     """Rewrite in-place writes into fresh buffers (see module docstring).
 
     Into a computed result only writes through a view are rewritten: a whole-tensor in-place
@@ -91,6 +92,7 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
     fresh = {n for n in g.nodes if n.op == "call_function" and n.target in FRESH_BUFFERS}
     computed = {n for n in g.nodes if _computed(n)} - fresh
     order = {n: i for i, n in enumerate(g.nodes)}
+    changed = False
     for node in list(g.nodes):
         functional = out_of_place(node.target) if node.op == "call_function" else None
         chain = _written_through(node, fresh | computed) if functional is not None else None
@@ -111,7 +113,8 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> fx.GraphModule:
             user.replace_input_with(base, value)
         g.erase_node(node)
         fresh.add(value)
-    return gm
+        changed = True
+    return PassResult(gm, changed)
 
 
 def _write_back(g: fx.Graph, node: fx.Node, functional, chain: list[fx.Node]) -> fx.Node:

@@ -20,6 +20,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 from tpcompile.passes.planner.dims import size_expr
 
@@ -28,8 +29,9 @@ __all__ = ["constant_index_as_slice_pass"]
 aten = torch.ops.aten
 
 
-def constant_index_as_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
+def constant_index_as_slice_pass(gm: fx.GraphModule) -> PassResult:
     g = gm.graph
+    changed = False
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not aten.index.Tensor:
             continue
@@ -51,8 +53,9 @@ def constant_index_as_slice_pass(gm: fx.GraphModule) -> fx.GraphModule:
         g.erase_node(node)
         if index.op == "call_function" and not index.users:  # the lift_fresh_copy
             g.erase_node(index)
+        changed = True
     g.lint()
-    return gm
+    return PassResult(gm, changed)
 
 
 def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 aten = torch.ops.aten
 
 __all__ = ["split_bias_pass", "fuse_bias_pass"]
 
 
-def split_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
+def split_bias_pass(gm: fx.GraphModule) -> PassResult:
     """``linear(x, W, b)`` -> ``linear(x, W) + b``; ``addmm(b, x, W)`` -> ``mm(x, W) + b``."""
     g = gm.graph
+    changed = False
     for node in list(g.nodes):
         if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
             x, w, b = node.args
@@ -37,8 +39,8 @@ def split_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
         add.meta = dict(node.meta)
         for u in users:
             u.replace_input_with(node, add)
-    gm.recompile()
-    return gm
+        changed = True
+    return PassResult(gm, changed)
 
 
 def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:

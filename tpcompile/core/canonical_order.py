@@ -172,6 +172,5 @@ def canonical_order(gm: fx.GraphModule) -> fx.GraphModule:
         env[node] = graph.create_node(node.op, node.target, args, kwargs, name, node.type)
         env[node].meta = dict(node.meta)
     graph.lint()
-    gm.graph = graph
-    gm.recompile()
+    gm.graph = graph  # the setter regenerates gm's code
     return gm
