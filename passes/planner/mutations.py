@@ -19,6 +19,7 @@ original, or a view taken before the write, would miss it. So:
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from dataclasses import dataclass
@@ -38,16 +39,20 @@ aten = torch.ops.aten
 
 def written_args(node: fx.Node) -> list[fx.Node]:
     """The tensors an op writes into (its schema's ``Tensor(a!)`` arguments)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
     out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        v = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+    for i, name in _written_positions(node.target) if node.op == "call_function" else ():
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, fx.Node))
     return out
+
+
+@functools.cache
+def _written_positions(target) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``target``'s schema writes into: the planner asks
+    this of every user of every slice, so it is read off the schema once per op."""
+    schema = getattr(target, "_schema", None)
+    return tuple((i, arg.name) for i, arg in enumerate(schema.arguments if schema else ())
+                 if arg.alias_info is not None and arg.alias_info.is_write)
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:

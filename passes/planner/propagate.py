@@ -330,9 +330,6 @@ def propagate(gm: fx.GraphModule, world_size: int, constraints: Constraints) -> 
 
 
 def _visit(node, state, specs, constraints):
-    tensor_out = isinstance(val(node), (torch.Tensor, list, tuple))
-    inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
-    distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
     rule = rule_for(node)
     op = OpView(node, state, specs, constraints)
     if rule is not None:
@@ -346,9 +343,12 @@ def _visit(node, state, specs, constraints):
         except Exception as e:  # noqa: BLE001 - a rule that cannot follow an op replicates it
             log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
             reason = f"{_reading(node, state)}: its sharding rule failed ({type(e).__name__}: {e})"
-    elif not tensor_out:
+    tensor_out = isinstance(val(node), (torch.Tensor, list, tuple))
+    inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
+    distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
+    if rule is None and not tensor_out:
         return None  # sizes (sym_size of dynamic dims), asserts: nothing to place or convert
-    else:
+    if rule is None:
         reason = f"{_reading(node, state)} has no sharding rule"
         if distributed:  # read by the pipeline: such an op is planned again decomposed
             node.meta[NO_RULE] = reason
