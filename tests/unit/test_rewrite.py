@@ -9,6 +9,8 @@ import idioms
 from tpcompile.tools import models
 from tpcompile.runtime import collectives as C
 from tpcompile.api import rewrite
+from tpcompile.inspect.trace import trace_rewrite
+from tpcompile.inspect.traffic import list_collectives
 
 
 def calls(gm, fn):
@@ -75,3 +77,14 @@ def test_a_value_made_before_the_blocks_joins_the_first_blocks_all_reduce():
                    and not any("layers" in path for path, _ in (n.meta.get("nn_module_stack") or {}).values())}
     early = [s for s in syncs if made_before & set(s)]
     assert len(early) == 1 and len(early[0]) > 1, syncs
+
+
+def test_a_bucketed_sync_names_every_value_it_reduces():
+    """explain and the communication benchmark attribute a shared all-reduce to its last value
+    but list all of them, so a bucket is matched against Megatron's bound by any member."""
+    model = idioms.build("moe_scaled_tokens")
+    trace = trace_rewrite(model, idioms.example_inputs(), 2, copy_weights=False)
+    backward = [c for c in list_collectives(trace) if c.phase == "backward"]
+    shared = [c for c in backward if len(c.values) == 2]
+    assert len(shared) == idioms.LAYERS, backward
+    assert all(c.node == c.values[-1] for c in backward)

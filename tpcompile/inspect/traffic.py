@@ -16,7 +16,7 @@ matmul's output) and one backward (of the activation entering the column-paralle
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
@@ -41,6 +41,7 @@ class CollectiveEntry:
     module: str              # that node's module ('' for the top level)
     inserted_as: str         # the call's name in the rewritten graph (what `diff` shows)
     layer: str = ""          # the repeated block it serves ('' outside any), see _layers
+    values: list = field(default_factory=list)  # every captured value it converts (a bucket: several)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
         if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
             continue
         src = source_node(_input(call), trace.plan.placements)
+        inputs = call.args[0] if isinstance(call.args[0], (list, tuple)) else [call.args[0]]
+        values = [source_node(v, trace.plan.placements).name for v in inputs]
         value = src.meta["val"]
         shape = _message_shape(call, value)
         for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):
@@ -118,7 +121,8 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
                 module = module_path(src)
                 out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
                                            nbytes(shape, value.dtype), src.name, module,
-                                           call.name, layers.get(src.name, layer_of(module))))
+                                           call.name, layers.get(src.name, layer_of(module)),
+                                           values))
     return out
 
 
