@@ -28,7 +28,7 @@ import torch
 from tpcompile.tools import models
 from tpcompile.inspect.trace import trace_rewrite
 from tpcompile.inspect.traffic import list_collectives, megatron_comparison
-from tpcompile.passes.planner.rules import is_view
+from tpcompile.passes.planner.rules import viewed_from
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, SEQ = 2, 16
@@ -84,13 +84,8 @@ def measure(name: str, factory, inputs, world_size: int) -> dict:
 def _viewed(names: set, gm) -> set:
     """``names`` and the values they are views of: a chain's entry is often a view of the
     activation whose gradient sync sits before it (GPT-2's Conv1D reads ``view(norm)``)."""
-    nodes, out = {n.name: n for n in gm.graph.nodes}, set(names)
-    for name in names:
-        node = nodes.get(name)
-        while node is not None and is_view(node) and hasattr(node.args[0], "name"):
-            node = node.args[0]
-            out.add(node.name)
-    return out
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return set(names) | {v.name for name in names if name in nodes for v in viewed_from(nodes[name])}
 
 
 def markdown(rows: list[dict]) -> str:

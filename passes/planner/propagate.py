@@ -344,10 +344,10 @@ def _visit(node, state, specs, constraints):
             log.warning("tpcompile: rule for %s failed (%s); replicating it", node.format_node(), e)
             reason = f"{_reading(node, state)}: its sharding rule failed ({type(e).__name__}: {e})"
     tensor_out = isinstance(val(node), (torch.Tensor, list, tuple))
-    inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
-    distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
     if rule is None and not tensor_out:
         return None  # sizes (sym_size of dynamic dims), asserts: nothing to place or convert
+    inputs = [a for a in node.all_input_nodes if _is_tensor(a)]
+    distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
     if rule is None:
         reason = f"{_reading(node, state)} has no sharding rule"
         if distributed:  # read by the pipeline: such an op is planned again decomposed

@@ -28,7 +28,7 @@ from tpcompile.inspect.explain_text import table
 from tpcompile.inspect.plan_svg import human_bytes
 from tpcompile.inspect.trace import RewriteTrace, trace_rewrite
 from tpcompile.inspect.traffic import list_collectives
-from tpcompile.passes.planner.rules import is_view
+from tpcompile.passes.planner.rules import is_view, viewed_from
 
 __all__ = ["DegreeEstimate", "Advice", "advise", "SCHEMA"]
 
@@ -150,9 +150,7 @@ def _weights(trace: RewriteTrace) -> tuple[int, int, int, int]:
 def _cached(read: float, operand: fx.Node, trace: RewriteTrace) -> float:
     """What a KV cache holds of an attention operand: the value before the views that repeat
     grouped KV heads for the query heads (``expand`` + ``reshape``), at the same share."""
-    base = operand
-    while base.op == "call_function" and is_view(base) and isinstance(base.args[0], fx.Node):
-        base = base.args[0]
+    base = ([operand] + viewed_from(operand))[-1]
     whole, here = _local_bytes(base.meta.get("val"), None, trace), \
         _local_bytes(operand.meta.get("val"), None, trace)
     return read * whole / here if here else read

@@ -84,11 +84,11 @@ def _message_shape(call: fx.Node, value) -> list:
     return shape
 
 
-def _input(call: fx.Node) -> fx.Node:
-    """The value a collective call converts; for a bucketed gradient sync its last value, made
-    in the layer whose backward completes the bucket (a value made before the layers joins the
-    first layer's bucket)."""
-    return call.args[0][-1] if isinstance(call.args[0], (list, tuple)) else call.args[0]
+def _inputs(call: fx.Node) -> list[fx.Node]:
+    """The values a collective call converts: several for a bucketed gradient sync, whose last
+    is made in the layer whose backward completes the bucket (a value made before the layers
+    joins the first layer's bucket), so the call is named after that one."""
+    return list(call.args[0]) if isinstance(call.args[0], (list, tuple)) else [call.args[0]]
 
 
 def _layers(trace: RewriteTrace) -> dict[str, str]:
@@ -111,9 +111,8 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
     for call in trace.gm.graph.nodes:
         if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
             continue
-        src = source_node(_input(call), trace.plan.placements)
-        inputs = call.args[0] if isinstance(call.args[0], (list, tuple)) else [call.args[0]]
-        values = [source_node(v, trace.plan.placements).name for v in inputs]
+        sources = [source_node(v, trace.plan.placements) for v in _inputs(call)]
+        src, values = sources[-1], [s.name for s in sources]
         value = src.meta["val"]
         shape = _message_shape(call, value)
         for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):

@@ -40,7 +40,7 @@ from tpcompile.passes.planner.dims import shape
 
 aten = torch.ops.aten
 
-__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "shard_map", "rule_for",
+__all__ = ["Rule", "RULES", "PARAM_MATMULS", "LOOKUPS", "OUT_FEATURES_FIRST", "is_view", "viewed_from", "shard_map", "rule_for",
            "rule_for_target", "einsum_rule", "cache_behind", "FRESH_BUFFERS", "SCATTERS", "value_of_write",
            "einsum", "pointwise", "writes", "matmuls", "indexing", "attention", "reductions", "views",
            "vocabulary"]
@@ -83,6 +83,15 @@ def is_view(node: fx.Node) -> bool:
     """An op that only moves, splits or merges dims of its first input (its rule ``maps``)."""
     rule = rule_for(node)
     return rule is not None and rule.maps is not None and bool(node.args)
+
+
+def viewed_from(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` is a view of, nearest first (empty when it is no view)."""
+    out = []
+    while is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        out.append(node)
+    return out
 
 
 def shard_map(node: fx.Node) -> Callable | None:
