@@ -1,9 +1,10 @@
 """The package's layers: every import inside tpcompile goes down (or within its own layer).
 
-The order tells the pipeline's story: errors, then capture and the plan's data types (core),
-what rewritten graphs call at run time (runtime), the passes, ``parallelize`` (api), the
-features built on it (compile, inspect, state), and the tools on top. A module importing
-upwards would let stage 1 depend on stage 4; this test names the first such import.
+The order tells the pipeline's story: errors and the bridges between torch releases (compat),
+then capture and the plan's data types (core), what rewritten graphs call at run time
+(runtime), the passes, ``parallelize`` (api), the features built on it (compile, inspect,
+state), and the tools on top. A module importing upwards would let stage 1 depend on stage 4;
+this test names the first such import.
 """
 
 import ast
@@ -15,7 +16,7 @@ import tpcompile
 import tpcompile.passes
 
 LAYERS = [
-    {"tpcompile.errors"},
+    {"tpcompile.errors", "tpcompile.compat"},
     {"tpcompile.core"},
     {"tpcompile.runtime"},
     {"tpcompile.passes"},

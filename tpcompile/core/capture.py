@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
+from tpcompile.compat import stack_traces as recorded_stack_traces
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.capture_checks import (
     custom_function_calls, forward_state_guard, refuse_custom_functions,
@@ -64,9 +65,13 @@ def _as_tuple(example_inputs) -> tuple:
 
 
 def _concrete(x, device: torch.device):
-    """Meta example inputs are replaced by zeros (valid token ids too) on the model's device."""
+    """Meta example inputs are replaced by zeros (valid token ids too) on the model's device;
+    a model built on the meta device gets its inputs there too (fake tensors refuse a meta /
+    CPU mix in one op before torch 2.13)."""
     if isinstance(x, torch.Tensor) and x.device.type == "meta":
         return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    if isinstance(x, torch.Tensor) and device.type == "meta":
+        return x.to(device)
     return x
 
 
@@ -125,16 +130,6 @@ def _capture_settings(model: nn.Module, notes: list[str]):
             config.use_cache = use_cache
 
 
-@contextlib.contextmanager
-def _stack_traces(record: bool):
-    saved = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = not record
-    try:
-        yield
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = saved
-
-
 def _writes_in_place(gm: fx.GraphModule) -> bool:
     return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                for n in gm.graph.nodes if n.op == "call_function")
@@ -151,10 +146,12 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: 
     if dynamic:
         shapes = {name: _auto(value, static)
                   for name, value in _named_inputs(model, args, kwargs).items()}
-    with warnings.catch_warnings(), _stack_traces(stack_traces):
+    with warnings.catch_warnings(), recorded_stack_traces(stack_traces) as settle:
         warnings.simplefilter("ignore")
-        return torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
-                                   strict=False)
+        ep = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
+                                 strict=False)
+    settle(ep.graph_module)
+    return ep
 
 
 def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None,

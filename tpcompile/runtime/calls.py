@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from tpcompile.compat import new_group
 from tpcompile.errors import InputError, InputMismatchError
 from tpcompile.runtime.timeouts import collective_failure, group_timeout
 
@@ -71,7 +72,7 @@ def side_group(group):
     if cached is None or cached[0] is not group:  # a group re-created under the same name
         # gloo beside NCCL too (a CPU int64 pair); a fake group (planning tests) stays fake
         backend = "fake" if dist.get_backend(group) == "fake" else "gloo"
-        side = dist.new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group),
+        side = new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group),
                               backend=backend, use_local_synchronization=True, sort_ranks=False,
                               group_desc=f"tpcompile_calls_{group.group_name}")
         cached = _SIDE[group.group_name] = (group, side)
