@@ -47,8 +47,8 @@ for v in "${versions[@]}"; do
   py="$venv/bin/python"
   got=$("$py" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "?")
   demo=$(check demo "$venv/demo.log" "$venv/bin/tpcompile" demo)
-  unit=$(check unit "$venv/unit.log" "$py" -m pytest -q -p no:logging tests/unit -m "not compile")
-  numerics=$(check numerics "$venv/numerics.log" "$py" -m pytest -q -p no:logging \
+  unit=$(check unit "$venv/unit.log" "$py" -m pytest -q tests/unit -m "not compile")
+  numerics=$(check numerics "$venv/numerics.log" "$py" -m pytest -q \
     tests/gloo/test_numerics.py tests/gloo/test_sequence_parallel.py tests/gloo/test_hf_models.py)
   plans=$(check plans "$venv/plans.log" "$py" bench/compat_plans.py)
   if [ "$plans" = passed ]; then

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -130,6 +131,25 @@ def _capture_settings(model: nn.Module, notes: list[str]):
             config.use_cache = use_cache
 
 
+# torch.export's loggers whose warnings speak of choices capture made, not the user: a size-1
+# example dim "0/1 specialized" under the Dim.AUTO capture asked for (capture's own note,
+# _specialised_sizes, says what it fixed and how to keep it dynamic)
+EXPORT_LOGGERS = ("torch._export.non_strict_utils",)
+
+
+@contextlib.contextmanager
+def _export_logs_quiet():
+    loggers = [logging.getLogger(name) for name in EXPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _writes_in_place(gm: fx.GraphModule) -> bool:
     return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                for n in gm.graph.nodes if n.op == "call_function")
@@ -146,7 +166,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: 
     if dynamic:
         shapes = {name: _auto(value, static)
                   for name, value in _named_inputs(model, args, kwargs).items()}
-    with warnings.catch_warnings(), recorded_stack_traces(stack_traces) as settle:
+    with (warnings.catch_warnings(), _export_logs_quiet(),
+          recorded_stack_traces(stack_traces) as settle):
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
                                  strict=False)
