@@ -7,7 +7,7 @@
 # installs nothing), `pip install torch==VERSION -e '.[test]'` (the CUDA wheels from the
 # package index run on the CPU: about 5 GB and 2 minutes each), then
 #   demo      tpcompile demo (2 gloo ranks, 3 AdamW steps, errors against the unsharded model)
-#   unit      pytest tests/unit -m "not compile"
+#   unit      pytest tests/unit -m "not slow and not compile"
 #   numerics  the support table's gloo numerics: tests/gloo/test_numerics.py,
 #             test_sequence_parallel.py, test_hf_models.py (2 and 4 ranks)
 #   plans     bench/compat_plans.py, diffed against the first release given
@@ -47,7 +47,7 @@ for v in "${versions[@]}"; do
   py="$venv/bin/python"
   got=$("$py" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "?")
   demo=$(check demo "$venv/demo.log" "$venv/bin/tpcompile" demo)
-  unit=$(check unit "$venv/unit.log" "$py" -m pytest -q tests/unit -m "not compile")
+  unit=$(check unit "$venv/unit.log" "$py" -m pytest -q tests/unit -m "not slow and not compile")
   numerics=$(check numerics "$venv/numerics.log" "$py" -m pytest -q \
     tests/gloo/test_numerics.py tests/gloo/test_sequence_parallel.py tests/gloo/test_hf_models.py)
   plans=$(check plans "$venv/plans.log" "$py" bench/compat_plans.py)
