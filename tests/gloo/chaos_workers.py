@@ -60,6 +60,9 @@ PERTURBATIONS = {
     # neither call was made before: new to every rank, so "new" mode checks it too
     "new_sequence": (lambda tp, t: _step(tp, _ids(seq=16)), lambda tp, t: _step(tp, _ids(seq=24))),
     "dtype": (lambda tp, t: _step(tp, _ids()), lambda tp, t: _step(tp, _ids(dtype=torch.int32))),
+    # a data loader that gives each rank its own batch: the same shapes, other token ids (a
+    # call new to every rank, so "new" mode compares it too)
+    "values": (lambda tp, t: _step(tp, _ids(seq=20)), lambda tp, t: _step(tp, _ids(seq=20, seed=3))),
     "raise_in_forward": (lambda tp, t: _step(tp, _ids()),  # an id beyond the table: InputError
                          lambda tp, t: _step(tp, _ids().fill_(CONFIG["vocab"]))),
     "skip_forward": (lambda tp, t: _step(tp, _ids()), lambda tp, t: _sleep(t)),

@@ -44,7 +44,9 @@ EXPECTED = {
     # the victim's next forward follows no backward: a call new to it, checked; its check and
     # the others' backward wait on different groups until the timeout
     ("new", "skip_backward"): ((CHECK, TIMEOUT), (COLLECTIVE, TIMEOUT)),
+    ("new", "values"): ((MISMATCH, FAST), (MISMATCH, FAST)),  # the first call of a signature
     ("every", "new_sequence"): ((MISMATCH, FAST), (MISMATCH, FAST)),
+    ("every", "values"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "batch"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "sequence"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "dtype"): ((INPUT, FAST), (MISMATCH, FAST)),  # the victim refuses its own call
@@ -104,6 +106,19 @@ def test_a_mismatch_names_every_ranks_call(runs, ws):
         others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
         assert f"  {others}: " in m and "(int64[2, 16]), grad" in m
         assert f"  rank {ws - 1}: " in m and "(int64[2, 24]), grad" in m
+
+
+@pytest.mark.parametrize("ws", WS_PARAMS)
+def test_ranks_fed_different_batches_are_named(runs, ws):
+    for mode in MODES:
+        messages = {r[mode]["values"]["error"] for r in runs[ws]}
+        assert len(messages) == 1  # the same text on every rank
+        m = messages.pop()
+        assert m.startswith("InputMismatchError: ranks called the module with the same shapes "
+                            "("), m
+        assert "(int64[2, 20]), grad, after a backward) but different values" in m, m
+        others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
+        assert f"  {others}: " in m and f"  rank {ws - 1}: " in m
 
 
 @pytest.mark.parametrize("ws", WS_PARAMS)

@@ -30,6 +30,13 @@ Modes (``parallelize(check_calls=...)``):
   (its next forward meets a peer still in a backward) or lost a call is named too. One tiny
   gloo all-reduce per call; see docs/performance.md for its cost.
 
+The first call of each description also compares a digest of the inputs' *values* (per
+tensor, its sum and a position-weighted sum in float64: one pass over the inputs, on their
+device), and ``"every"`` does so on every call: tensor parallelism needs the same batch on
+every rank of the group, and a data loader that gives each rank its own batch would otherwise
+produce a silently wrong model (each rank's shard of another batch). A later call of an agreed
+description is not compared in ``"new"`` mode.
+
 A rank whose inputs fail its own checks (:class:`InputError`: a token id out of range, a
 sequence beyond the model's limit) still takes part when a check is due, so its peers raise
 ``InputMismatchError`` naming its error instead of waiting for it. After an
@@ -49,7 +56,7 @@ from tpcompile.compat import new_group
 from tpcompile.errors import InputError, InputMismatchError
 from tpcompile.runtime.timeouts import collective_failure, group_timeout
 
-__all__ = ["CallCheck", "MODES", "check_mode", "describe", "side_group"]
+__all__ = ["CallCheck", "MODES", "check_mode", "describe", "side_group", "values_digest"]
 
 MODES = ("new", "every")
 CACHE_LIMIT = 4096  # agreed descriptions kept; cleared on every rank at the same call
@@ -85,6 +92,21 @@ def _leaf(x) -> str:
     if x is None or isinstance(x, (bool, int, float, str)):
         return repr(x)[:40]
     return type(x).__name__
+
+
+def _fingerprint(t: torch.Tensor) -> str:
+    if t.device.type == "meta" or t.numel() == 0:
+        return "-"
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    both = torch.stack([flat.sum(), (flat * weights).sum()]).tolist()  # one device sync
+    return f"{both[0]:.17g}/{both[1]:.17g}"
+
+
+def values_digest(args: tuple, kwargs: dict) -> str:
+    """A cheap fingerprint of the inputs' values: equal on ranks given the same batch."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return " ".join(_fingerprint(t) for t in leaves if isinstance(t, torch.Tensor))
 
 
 def describe(args: tuple, kwargs: dict) -> str:
@@ -141,20 +163,20 @@ class CallCheck:
         if self.mode == "every":
             self.calls += 1
             text = f"call {self.calls}: {text}"
-        self._agree(text, refusal)
+        self._agree(text, values_digest(args, kwargs) if refusal is None else "", refusal)
         if self.mode == "new":
             if len(self.agreed) >= CACHE_LIMIT:
                 self.agreed.clear()
             self.agreed.add(text)
 
-    def _agree(self, text: str, refusal: InputError | None) -> None:
-        d = 0 if refusal is not None else _digest(text)
+    def _agree(self, text: str, values: str, refusal: InputError | None) -> None:
+        d = 0 if refusal is not None else _digest(f"{text}\n{values}")
         both = torch.tensor([d, -d], dtype=torch.int64)
         self._run(lambda: dist.all_reduce(both, dist.ReduceOp.MAX, group=self.side))
         if refusal is None and both[0] == -both[1]:  # max == min == mine: all agree
             return
         mine = (text, None if refusal is None else f"{type(refusal).__name__}: "
-                f"{str(refusal).splitlines()[0]}")
+                f"{str(refusal).splitlines()[0]}", values)
         every = [None] * dist.get_world_size(self.side)
         self._run(lambda: dist.all_gather_object(every, mine, group=self.side))
         if refusal is not None:
@@ -171,18 +193,27 @@ class CallCheck:
             raise collective_failure("the call check (an all_reduce)", self.side, e) from e
 
 
-def _message(every: list[tuple[str, str | None]]) -> str:
-    refused = [(r, why) for r, (_, why) in enumerate(every) if why is not None]
+def _grouped(keys: list[str]) -> str:
+    """'  rank 0: a' / '  ranks [1, 2]: b' lines, in the order each key first appears."""
+    groups: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        groups.setdefault(key, []).append(rank)
+    return "\n".join(f"  {'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs}: "
+                     f"{key}" for key, rs in groups.items())
+
+
+def _message(every: list[tuple[str, str | None, str]]) -> str:
+    refused = [(r, why) for r, (_, why, _) in enumerate(every) if why is not None]
     if refused:
         rank, why = refused[0]
         return (f"rank {rank} refused its inputs ({why}); every rank stops here instead of "
                 "issuing the model's collectives")
-    groups: dict[str, list[int]] = {}
-    for rank, (text, _) in enumerate(every):
-        groups.setdefault(text, []).append(rank)
-    lines = [f"  {'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs}: {text}"
-             for text, rs in groups.items()]
+    hint = ("\n  hint: every rank of the tensor-parallel group must make the same calls (none "
+            "skipped) with the same inputs (the same batch on every rank; a data-parallel split "
+            "goes across groups, not within one)")
+    if len({text for text, _, _ in every}) == 1:
+        return (f"ranks called the module with the same shapes ({every[0][0]}) but different "
+                "values (per input tensor: sum / position-weighted sum):\n"
+                + _grouped([values for _, _, values in every]) + hint)
     return ("ranks called the module with different inputs (dtypes and shapes, grad mode):\n"
-            + "\n".join(lines) + "\n  hint: every rank of the tensor-parallel group must make the "
-            "same calls (none skipped) with inputs of the same shapes and dtypes (the same batch "
-            "on every rank; a data-parallel split goes across groups, not within one)")
+            + _grouped([text for text, _, _ in every]) + hint)
