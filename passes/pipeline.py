@@ -37,17 +37,17 @@ from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.core.stamp import capture_reusing_blocks
 from tpcompile.errors import CaptureError, TPCompileError
-from tpcompile.passes.planner.functionalize import functionalize_fresh_writes_pass
-from tpcompile.passes.planner.decompose import MAX_ROUNDS, decomposable, decompose_nodes
-from tpcompile.passes.planner.index_ranges import constant_index_as_slice_pass
+from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fresh_writes_pass
+from tpcompile.passes.prepare.decompose_unruled import MAX_ROUNDS, decomposable, decompose_nodes
+from tpcompile.passes.prepare.constant_index_as_slice import constant_index_as_slice_pass
 from tpcompile.passes.planner.mutations import clone_converted_writes_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
 from tpcompile.passes.planner.propagate import NO_RULE
-from tpcompile.passes.rewrite.bias import fuse_bias_pass, split_bias_pass
+from tpcompile.passes.rewrite.fuse_bias import fuse_bias_pass, split_bias_pass
 from tpcompile.passes.rewrite.insert_collectives import insert_collectives_pass
 from tpcompile.passes.rewrite.localize import localize_pass
-from tpcompile.passes.rewrite.materialize import materialize_params_pass
-from tpcompile.passes.rewrite.sequence_linears import fuse_sequence_linears_pass
+from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
+from tpcompile.passes.rewrite.fuse_sequence_linears import fuse_sequence_linears_pass
 from tpcompile.runtime.module import TPModule
 
 __all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES", "plan",

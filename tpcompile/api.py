@@ -22,7 +22,7 @@ from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
-from tpcompile.passes.rewrite.device import retarget_device_pass
+from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
