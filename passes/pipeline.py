@@ -37,33 +37,25 @@ from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.core.stamp import capture_reusing_blocks
 from tpcompile.errors import CaptureError, TPCompileError
-from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fresh_writes_pass
-from tpcompile.passes.prepare.decompose_unruled import MAX_ROUNDS, decomposable, decompose_nodes
 from tpcompile.passes.prepare.constant_index_as_slice import constant_index_as_slice_pass
-from tpcompile.passes.planner.mutations import clone_converted_writes_pass
+from tpcompile.passes.prepare.decompose_unruled import MAX_ROUNDS, decomposable, decompose_nodes
+from tpcompile.passes.prepare.drop_dead_code import drop_dead_code_pass
+from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fresh_writes_pass
+from tpcompile.passes.prepare.split_bias import split_bias_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
 from tpcompile.passes.planner.propagate import NO_RULE
-from tpcompile.passes.rewrite.fuse_bias import fuse_bias_pass, split_bias_pass
+from tpcompile.passes.rewrite.clone_converted_writes import clone_converted_writes_pass
+from tpcompile.passes.rewrite.fuse_bias import fuse_bias_pass
+from tpcompile.passes.rewrite.fuse_sequence_linears import fuse_sequence_linears_pass
 from tpcompile.passes.rewrite.insert_collectives import insert_collectives_pass
 from tpcompile.passes.rewrite.localize import localize_pass
 from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
-from tpcompile.passes.rewrite.fuse_sequence_linears import fuse_sequence_linears_pass
 from tpcompile.runtime.module import TPModule
 
 __all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES", "plan",
            "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen"]
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
-
-
-def drop_dead_code_pass(gm: fx.GraphModule) -> PassResult:
-    """Pure ops nothing reads are dropped: torch.export keeps them, e.g. the arguments
-    transformers' Mamba-2 mixers evaluate for a fused kernel that returns None on CPU
-    (``conv1d.weight.squeeze(1)``), which would otherwise count as a second use of the weight.
-    Parameters and buffers stay (``get_attr`` nodes are kept whether read or not)."""
-    changed = gm.graph.eliminate_dead_code(
-        is_impure_node=lambda n: n.op != "call_function" or n.is_impure())
-    return PassResult(gm, changed)
 
 
 # graph -> graph, before the planner: the planner sees no dead code, matmuls without biases,
