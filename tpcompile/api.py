@@ -22,7 +22,6 @@ from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
-from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
@@ -178,9 +177,8 @@ class SignatureCapture:
                 raise PlanError(
                     f"the call {describe(args, kwargs)} plans {name} as {other.placement}, the "
                     f"module's first call as {entry.placement}: one module cannot serve both")
-        gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",))
-        retarget_device_pass(gm, torch.device("meta"), self.device)  # captured on the skeleton
-        gm.recompile()
+        gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",),
+                                 device=self.device)  # captured on the skeleton
         gm.meta["tpcompile_plan"] = planned.plan
         return gm
 

@@ -213,12 +213,11 @@ def _replicated_pieces(specs: Specs, layout, rank: int) -> list[tuple[int, int]]
     return pieces
 
 
-def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
+def _insert_grad_syncs(gm: fx.GraphModule, plan: ShardingPlan, nodes: dict, order: dict,
+                       group: str) -> dict[str, fx.Node]:
+    """One ``copy_to_region`` (*f*) per bucket of gradient-synced values, read by the users
+    the plan lists; returns value name -> its synced copy."""
     g = gm.graph
-    nodes = {n.name: n for n in g.nodes}
-    order = {n: i for i, n in enumerate(g.nodes)}
-    conv = _Converter(gm, plan, rank, group)
-
     f_of = {}
     for bucket in _grad_sync_buckets(gm, plan, nodes, order):
         with g.inserting_before(min((u for _, us in bucket for u in us), key=order.__getitem__)):
@@ -231,9 +230,13 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
             f_of[value.name] = f
             for u in users:
                 u.replace_input_with(value, f)
+    return f_of
 
-    _sync_grad_pieces(gm, plan, conv.specs, rank, group, order)
 
+def _insert_conversions(g: fx.Graph, plan: ShardingPlan, nodes: dict, order: dict,
+                        conv: _Converter, f_of: dict[str, fx.Node]) -> None:
+    """Each conversion of the plan, once for all users that read the same value (or its synced
+    copy) in the same placement."""
     groups: dict = {}
     for c in plan.conversions:
         user, f = nodes[c.user], f_of.get(c.value)
@@ -245,5 +248,16 @@ def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, g
             out = conv.convert(source, c.src, c.dst, sum_grads)
         for _, user in items:
             user.replace_input_with(source, out)
-    g.lint()
+
+
+def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
+    """The plan's collectives: gradient syncs (*f*), then all-reduces (*g*), gathers,
+    reduce-scatters and local slices where a consumer reads a value converted."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    conv = _Converter(gm, plan, rank, group)
+    f_of = _insert_grad_syncs(gm, plan, nodes, order, group)
+    _sync_grad_pieces(gm, plan, conv.specs, rank, group, order)
+    _insert_conversions(gm.graph, plan, nodes, order, conv, f_of)
+    gm.graph.lint()
     return gm

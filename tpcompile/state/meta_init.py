@@ -132,7 +132,7 @@ def to_empty(tp: TPModule, device="cpu", buffers: dict[str, torch.Tensor] | None
         for name in needed:
             full = buffers[name]
             tp.get_buffer(name).copy_(take_shard(full, placements.get(name), tp.plan.specs, tp.rank))
-    retarget_device_pass(tp.graph_module, META, device)
+    retarget_device_pass(tp.graph_module, device)  # not in the pipeline: it ran long before
     tp.graph_module.recompile()
     return tp
 
