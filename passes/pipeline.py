@@ -68,9 +68,11 @@ PREPARE_PASSES: list[Pass] = [("drop_dead_code", drop_dead_code_pass),
                               ("split_bias", split_bias_pass),
                               ("constant_index_as_slice", constant_index_as_slice_pass),
                               ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]
-# graph -> graph, after each planner run; the planner runs again while one changes the graph
-# (at most MAX_ROUNDS times): ops with no rule that met sharded data, decomposed
-REPLAN_PASSES: list[Pass] = [("decompose_unruled", decompose_unruled_pass)]
+# graph -> graph after each planner run, given what the planner returned; the planner runs
+# again while one changes the graph (at most MAX_ROUNDS times)
+REPLAN_PASSES: list[tuple[str, Callable[..., fx.GraphModule | PassResult], tuple[str, ...]]] = [
+    ("decompose_unruled", decompose_unruled_pass, ("no_rule",)),  # ops with no rule, decomposed
+]
 # one rank's rewrite, in order: (name, pass, the parts of the rank's context it takes)
 REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [
     ("localize", localize_pass, ("plan", "rank", "group")),  # per-rank ops, shape constants
@@ -202,14 +204,14 @@ def _plan_until_settled(cap: Capture, world_size: int, options: PlanOptions,
 
     Returns the last plan and one record per replan pass, spanning its rounds.
     """
-    sharding = plan_sharding(cap, world_size, options)
+    sharding, no_rule = plan_sharding(cap, world_size, options)
     rounds: list[list[PassRecord]] = []
     for _ in range(MAX_ROUNDS):
-        _, records = run_passes(cap.gm, REPLAN_PASSES, record=record)
+        _, records = run_passes(cap.gm, _bound(REPLAN_PASSES, {"no_rule": no_rule}), record=record)
         rounds.append(records)
         if not any(r.changed for r in records):
             break
-        sharding = plan_sharding(cap, world_size, options)
+        sharding, no_rule = plan_sharding(cap, world_size, options)
     merged = []
     for each in zip(*rounds):  # one pass's records, round by round
         merged.append(PassRecord(each[0].name, sum(r.seconds for r in each), each[0].before,
@@ -224,9 +226,15 @@ def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str,
     ``device``: where the rank's tensors live when the graph was captured on the meta device
     (a copy of the model without weights); None leaves device constants as captured.
     """
-    context = {"plan": plan, "rank": rank, "group": group_name, "device": device}
+    return _bound(REWRITE_PASSES, {"plan": plan, "rank": rank, "group": group_name,
+                                   "device": device})
+
+
+def _bound(passes, context: dict) -> list[Pass]:
+    """``(name, pass, takes)`` entries as runnable passes given the parts of ``context`` each
+    takes."""
     return [(name, functools.partial(fn, **{k: context[k] for k in takes}))
-            for name, fn, takes in REWRITE_PASSES]
+            for name, fn, takes in passes]
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:

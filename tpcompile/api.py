@@ -151,8 +151,8 @@ class SignatureCapture:
     bound to the module's own tensors afterwards), so the caller may still free the model.
     ``module`` (built around the skeleton, holding it as ``prefix``) is captured instead: a
     wrapper that owns a static KV cache. Every tensor the first plan holds must be placed as
-    that plan places it (checked: the graphs share the tensors). The new graph's own plan is
-    ``gm.meta["tpcompile_plan"]`` (the wrapper's cache buffers are allocated from it).
+    that plan places it (checked: the graphs share the tensors). A call returns the new graph
+    and its own plan (the wrapper's cache buffers are allocated from it).
     """
 
     def __init__(self, model: nn.Module, plan, rank: int, group_name: str):
@@ -179,8 +179,7 @@ class SignatureCapture:
                     f"module's first call as {entry.placement}: one module cannot serve both")
         gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",),
                                  device=self.device)  # captured on the skeleton
-        gm.meta["tpcompile_plan"] = planned.plan
-        return gm
+        return gm, planned.plan
 
 
 def _cut(plan, entry):
