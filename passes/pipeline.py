@@ -56,7 +56,7 @@ from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.module import TPModule
 
 __all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "REWRITE_PASSES", "plan",
-           "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen"]
+           "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen", "steps"]
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
 
@@ -83,6 +83,13 @@ REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]]
     ("fuse_sequence_linears", fuse_sequence_linears_pass, ()),  # one SP gather for its linears
     ("retarget_device", retarget_device_pass, ("device",)),  # a meta capture's device constants
 ]
+
+
+def steps() -> list[tuple[str, Callable]]:
+    """Every step in the order it runs: capture, the prepare passes, the planner, the replan
+    passes and the rewrite passes (the maps docs/generate.py writes into the docs)."""
+    return ([("capture", capture), *PREPARE_PASSES, ("plan_sharding", plan_sharding)]
+            + [(name, fn) for name, fn, _ in REPLAN_PASSES + REWRITE_PASSES])
 
 
 @dataclass
