@@ -11,8 +11,8 @@ What it writes, each between its ``<!-- NAME:start -->`` / ``<!-- NAME:end -->``
   package, in layer order (tests/unit/test_layers.py checks that imports go down these layers).
 
 A step's or a module's summary is the first sentence of its module's docstring, so a pass is
-described where it is written (each pass is a file named after it). tests/unit/test_generated_docs.py
-fails when a file is stale.
+described where it is written (each pass is a file named after it).
+tests/unit/test_generated_docs.py fails when a file is stale.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
 from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.module import TPModule
 
-__all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "REWRITE_PASSES", "plan",
-           "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen", "steps"]
+__all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "REWRITE_PASSES",
+           "plan", "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen", "steps"]
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
 
@@ -103,11 +103,11 @@ class PassRecord:
 
 @dataclass(frozen=True)
 class Planned:
-    """A captured model after the planning passes, and its plan."""
+    """A captured model after the prepare and replan passes, and its plan."""
     cap: Capture                 # cap.gm is the planned graph: the plan's node names are its own
     plan: ShardingPlan
     records: tuple[PassRecord, ...] = ()   # the prepare and replan passes'
-    seconds: dict[str, float] = field(default_factory=dict)  # capture, planning passes, planner
+    seconds: dict[str, float] = field(default_factory=dict)  # capture, prepare, planner + replans
 
 
 @contextlib.contextmanager

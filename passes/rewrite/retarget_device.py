@@ -55,7 +55,8 @@ def retarget_device_pass(gm: fx.GraphModule, device: torch.device | None) -> Pas
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        args, kwargs = _swap(node.args, src, dst), {k: _swap(v, src, dst) for k, v in node.kwargs.items()}
+        args = _swap(node.args, src, dst)
+        kwargs = {k: _swap(v, src, dst) for k, v in node.kwargs.items()}
         if args is not node.args or any(kwargs[k] is not v for k, v in node.kwargs.items()):
             node.args, node.kwargs, changed = args, kwargs, True
     return PassResult(gm, changed)

@@ -85,7 +85,8 @@ class TPModule(nn.Module):
             return pairs[fits.index(True)]
         if fits[0] is None or len(self.signatures) >= MAX_SIGNATURES:
             return pairs[0]  # the call check names what is wrong with the call
-        gm, plan = self.capture_signature(args, kwargs)  # local: no collective before the call check
+        # local: no collective before the call check
+        gm, plan = self.capture_signature(args, kwargs)
         bind_tensors(gm, self, plan)
         self.signatures.append((InputSpec.of(gm), gm))
         return self.signatures[-1]
