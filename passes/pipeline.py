@@ -1,10 +1,12 @@
-"""The pipeline, declared once: capture -> planning passes -> planner -> rewrite passes.
+"""The pipeline, declared once: capture -> prepare passes -> planner -> rewrite passes.
 
-``parallelize``, ``explain`` / ``diff``, the benchmarks and the tests all run these two lists
+``parallelize``, ``explain`` / ``diff``, the benchmarks and the tests all run these lists
 through :func:`plan` and :func:`rewrite`, so what is inspected is what runs:
 
-- :data:`PLANNING_PASSES` edit the freshly captured graph into the form the planner reads
+- :data:`PREPARE_PASSES` edit the freshly captured graph into the form the planner reads
   (nobody else holds that graph yet); :func:`plan` then freezes a :class:`ShardingPlan`.
+  :data:`REPLAN_PASSES` run after the planner: while one of them changes the graph (an op
+  with no rule decomposed into ops that have one), the planner runs again.
 - :data:`REWRITE_PASSES` turn that graph into one rank's graph. :func:`rewrite` works on a
   copy (sharing the weights), so the planned graph stays as the plan describes it: every rank
   of a fake-PG test, and ``explain`` after ``diff``, can rewrite it again.
@@ -30,6 +32,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import torch
 from torch import fx, nn
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -37,42 +40,39 @@ from tpcompile.core.capture import Capture, capture
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.core.stamp import capture_reusing_blocks
 from tpcompile.errors import CaptureError, TPCompileError
-from tpcompile.passes.planner.functionalize import functionalize_fresh_writes_pass
-from tpcompile.passes.planner.decompose import MAX_ROUNDS, decomposable, decompose_nodes
-from tpcompile.passes.planner.index_ranges import constant_index_as_slice_pass
-from tpcompile.passes.planner.mutations import clone_converted_writes_pass
+from tpcompile.passes.prepare.constant_index_as_slice import constant_index_as_slice_pass
+from tpcompile.passes.prepare.decompose_unruled import MAX_ROUNDS, decompose_unruled_pass
+from tpcompile.passes.prepare.drop_dead_code import drop_dead_code_pass
+from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fresh_writes_pass
+from tpcompile.passes.prepare.split_bias import split_bias_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
-from tpcompile.passes.planner.propagate import NO_RULE
-from tpcompile.passes.rewrite.bias import fuse_bias_pass, split_bias_pass
+from tpcompile.passes.rewrite.clone_converted_writes import clone_converted_writes_pass
+from tpcompile.passes.rewrite.fuse_bias import fuse_bias_pass
+from tpcompile.passes.rewrite.fuse_sequence_linears import fuse_sequence_linears_pass
 from tpcompile.passes.rewrite.insert_collectives import insert_collectives_pass
 from tpcompile.passes.rewrite.localize import localize_pass
-from tpcompile.passes.rewrite.materialize import materialize_params_pass
-from tpcompile.passes.rewrite.sequence_linears import fuse_sequence_linears_pass
+from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
+from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.module import TPModule
 
-__all__ = ["Pass", "PassRecord", "Planned", "PLANNING_PASSES", "REWRITE_PASSES", "plan",
-           "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen"]
+__all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "REWRITE_PASSES",
+           "plan", "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen", "steps"]
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
-
-
-def drop_dead_code_pass(gm: fx.GraphModule) -> PassResult:
-    """Pure ops nothing reads are dropped: torch.export keeps them, e.g. the arguments
-    transformers' Mamba-2 mixers evaluate for a fused kernel that returns None on CPU
-    (``conv1d.weight.squeeze(1)``), which would otherwise count as a second use of the weight.
-    Parameters and buffers stay (``get_attr`` nodes are kept whether read or not)."""
-    changed = gm.graph.eliminate_dead_code(
-        is_impure_node=lambda n: n.op != "call_function" or n.is_impure())
-    return PassResult(gm, changed)
 
 
 # graph -> graph, before the planner: the planner sees no dead code, matmuls without biases,
 # constant runs of indices as slices, and writes into buffers the graph makes itself as values
 # (out of place)
-PLANNING_PASSES: list[Pass] = [("drop_dead_code", drop_dead_code_pass),
-                               ("split_bias", split_bias_pass),
-                               ("constant_index_as_slice", constant_index_as_slice_pass),
-                               ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]
+PREPARE_PASSES: list[Pass] = [("drop_dead_code", drop_dead_code_pass),
+                              ("split_bias", split_bias_pass),
+                              ("constant_index_as_slice", constant_index_as_slice_pass),
+                              ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]
+# graph -> graph after each planner run, given what the planner returned; the planner runs
+# again while one changes the graph (at most MAX_ROUNDS times)
+REPLAN_PASSES: list[tuple[str, Callable[..., fx.GraphModule | PassResult], tuple[str, ...]]] = [
+    ("decompose_unruled", decompose_unruled_pass, ("no_rule",)),  # ops with no rule, decomposed
+]
 # one rank's rewrite, in order: (name, pass, the parts of the rank's context it takes)
 REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [
     ("localize", localize_pass, ("plan", "rank", "group")),  # per-rank ops, shape constants
@@ -81,7 +81,15 @@ REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]]
     ("materialize_params", materialize_params_pass, ("plan", "rank")),  # this rank's shards
     ("fuse_bias", fuse_bias_pass, ()),                       # linear(x, W) + b -> linear(x, W, b)
     ("fuse_sequence_linears", fuse_sequence_linears_pass, ()),  # one SP gather for its linears
+    ("retarget_device", retarget_device_pass, ("device",)),  # a meta capture's device constants
 ]
+
+
+def steps() -> list[tuple[str, Callable]]:
+    """Every step in the order it runs: capture, the prepare passes, the planner, the replan
+    passes and the rewrite passes (the maps docs/generate.py writes into the docs)."""
+    return ([("capture", capture), *PREPARE_PASSES, ("plan_sharding", plan_sharding)]
+            + [(name, fn) for name, fn, _ in REPLAN_PASSES + REWRITE_PASSES])
 
 
 @dataclass
@@ -90,15 +98,16 @@ class PassRecord:
     seconds: float
     before: str = field(repr=False, default="")
     after: str = field(repr=False, default="")
+    changed: bool = True
 
 
 @dataclass(frozen=True)
 class Planned:
-    """A captured model after the planning passes, and its plan."""
+    """A captured model after the prepare and replan passes, and its plan."""
     cap: Capture                 # cap.gm is the planned graph: the plan's node names are its own
     plan: ShardingPlan
-    records: tuple[PassRecord, ...] = ()   # the planning passes'
-    seconds: dict[str, float] = field(default_factory=dict)  # capture, planning passes, planner
+    records: tuple[PassRecord, ...] = ()   # the prepare and replan passes'
+    seconds: dict[str, float] = field(default_factory=dict)  # capture, prepare, planner + replans
 
 
 @contextlib.contextmanager
@@ -157,7 +166,7 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
                 "  hint: this is a tpcompile bug; please report it with `tpcompile explain` "
                 "output for your model") from e
         gm = out
-        records.append(PassRecord(name, time.perf_counter() - start, before, snapshot(gm)))
+        records.append(PassRecord(name, time.perf_counter() - start, before, snapshot(gm), changed))
     return gm, records
 
 
@@ -165,7 +174,7 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
          options: PlanOptions = PlanOptions(), dynamic: bool = True, stack_traces: bool = False,
          reuse_blocks: bool = False, record: bool | Callable[[fx.GraphModule], str] = False,
          progress: Callable[[str], None] = lambda message: None) -> Planned:
-    """Capture ``model``, run :data:`PLANNING_PASSES`, and plan for ``world_size`` ranks.
+    """Capture ``model``, run :data:`PREPARE_PASSES`, and plan for ``world_size`` ranks.
 
     ``progress`` receives a line once the graph is captured (planning a large model takes a
     while after that). ``stack_traces``: keep model lines in the graph, for the planner's
@@ -187,27 +196,52 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
     progress(f"captured {len(cap.gm.graph.nodes)} graph nodes in {t1 - t0:.1f}s; planning for "
              f"{world_size} ranks")
     with older_objects_frozen():
-        gm, records = run_passes(cap.gm, PLANNING_PASSES, record=record)
+        gm, records = run_passes(cap.gm, PREPARE_PASSES, record=record)
         cap = replace(cap, gm=gm)
         t2 = time.perf_counter()
-        sharding = plan_sharding(cap, world_size, options)
-        for _ in range(MAX_ROUNDS):  # ops with no rule that gathered: plan their decompositions
-            # every use of such an op: the same op in the next layer is the next blocker
-            ops = {n.target for n in gm.graph.nodes if NO_RULE in n.meta and decomposable(n)}
-            unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
-            if not decompose_nodes(gm, unruled):
-                break
-            sharding = plan_sharding(cap, world_size, options)
+        sharding, replanned = _plan_until_settled(cap, world_size, options, record)
     seconds = {"capture": t1 - t0, "planning_passes": t2 - t1,
                "plan_sharding": time.perf_counter() - t2}
-    return Planned(cap, sharding, tuple(records), seconds)
+    return Planned(cap, sharding, tuple(records + replanned), seconds)
 
 
-def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str) -> list[Pass]:
-    """:data:`REWRITE_PASSES` bound to one rank, each named so it can be diffed on its own."""
-    context = {"plan": plan, "rank": rank, "group": group_name}
+def _plan_until_settled(cap: Capture, world_size: int, options: PlanOptions,
+                        record) -> tuple[ShardingPlan, list[PassRecord]]:
+    """The planner, then :data:`REPLAN_PASSES`, repeated while those change the graph.
+
+    Returns the last plan and one record per replan pass, spanning its rounds.
+    """
+    sharding, no_rule = plan_sharding(cap, world_size, options)
+    rounds: list[list[PassRecord]] = []
+    for _ in range(MAX_ROUNDS):
+        _, records = run_passes(cap.gm, _bound(REPLAN_PASSES, {"no_rule": no_rule}), record=record)
+        rounds.append(records)
+        if not any(r.changed for r in records):
+            break
+        sharding, no_rule = plan_sharding(cap, world_size, options)
+    merged = []
+    for each in zip(*rounds):  # one pass's records, round by round
+        merged.append(PassRecord(each[0].name, sum(r.seconds for r in each), each[0].before,
+                                 each[-1].after, any(r.changed for r in each)))
+    return sharding, merged
+
+
+def rewrite_passes(plan: ShardingPlan, rank: int, group_name: str,
+                   device: torch.device | None = None) -> list[Pass]:
+    """:data:`REWRITE_PASSES` bound to one rank, each named so it can be diffed on its own.
+
+    ``device``: where the rank's tensors live when the graph was captured on the meta device
+    (a copy of the model without weights); None leaves device constants as captured.
+    """
+    return _bound(REWRITE_PASSES, {"plan": plan, "rank": rank, "group": group_name,
+                                   "device": device})
+
+
+def _bound(passes, context: dict) -> list[Pass]:
+    """``(name, pass, takes)`` entries as runnable passes given the parts of ``context`` each
+    takes."""
     return [(name, functools.partial(fn, **{k: context[k] for k in takes}))
-            for name, fn, takes in REWRITE_PASSES]
+            for name, fn, takes in passes]
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -251,12 +285,15 @@ def _own_containers(module: nn.Module) -> None:
 
 def rewrite(planned: Planned, rank: int, group_name: str, *,
             record: bool | Callable[[fx.GraphModule], str] = False,
-            skip: tuple[str, ...] = ()) -> tuple[fx.GraphModule, list[PassRecord]]:
+            skip: tuple[str, ...] = (),
+            device: torch.device | None = None) -> tuple[fx.GraphModule, list[PassRecord]]:
     """One rank's graph: :data:`REWRITE_PASSES` on a copy of the planned graph.
 
     ``skip``: pass names left out (``explain`` skips ``materialize_params``: it needs the
-    graph, not a copy of every weight of a real 7B model).
+    graph, not a copy of every weight of a real 7B model). ``device``: see
+    :func:`rewrite_passes`.
     """
-    passes = [p for p in rewrite_passes(planned.plan, rank, group_name) if p[0] not in skip]
+    passes = [p for p in rewrite_passes(planned.plan, rank, group_name, device)
+              if p[0] not in skip]
     with older_objects_frozen():
         return run_passes(copy_graph(planned.cap.gm), passes, record=record)

@@ -22,7 +22,6 @@ from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
-from tpcompile.passes.rewrite.device import retarget_device_pass
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
@@ -152,8 +151,8 @@ class SignatureCapture:
     bound to the module's own tensors afterwards), so the caller may still free the model.
     ``module`` (built around the skeleton, holding it as ``prefix``) is captured instead: a
     wrapper that owns a static KV cache. Every tensor the first plan holds must be placed as
-    that plan places it (checked: the graphs share the tensors). The new graph's own plan is
-    ``gm.meta["tpcompile_plan"]`` (the wrapper's cache buffers are allocated from it).
+    that plan places it (checked: the graphs share the tensors). A call returns the new graph
+    and its own plan (the wrapper's cache buffers are allocated from it).
     """
 
     def __init__(self, model: nn.Module, plan, rank: int, group_name: str):
@@ -178,11 +177,9 @@ class SignatureCapture:
                 raise PlanError(
                     f"the call {describe(args, kwargs)} plans {name} as {other.placement}, the "
                     f"module's first call as {entry.placement}: one module cannot serve both")
-        gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",))
-        retarget_device_pass(gm, torch.device("meta"), self.device)  # captured on the skeleton
-        gm.recompile()
-        gm.meta["tpcompile_plan"] = planned.plan
-        return gm
+        gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",),
+                                 device=self.device)  # captured on the skeleton
+        return gm, planned.plan
 
 
 def _cut(plan, entry):

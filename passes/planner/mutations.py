@@ -12,9 +12,9 @@ original, or a view taken before the write, would miss it. So:
   afterwards: the caller or the next call sees them. The planner keeps the sharded data of
   every other write replicated (slice assignment into a sharded activation), and
   :func:`check_mutations` raises :class:`PlanError` naming the op if that did not resolve it.
-- :func:`clone_converted_writes_pass` then gives such a write a plain copy to write into:
-  a gather's output is a view created inside tpcompile's autograd Functions, which autograd
-  does not allow to be modified in place.
+- :func:`tpcompile.passes.rewrite.clone_converted_writes.clone_converted_writes_pass` then
+  gives such a write a plain copy to write into: a gather's output is a view created inside
+  tpcompile's autograd Functions, which autograd does not allow to be modified in place.
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import fx
 
 from tpcompile.errors import PlanError
 from tpcompile.core.plan import ShardingPlan
 
-__all__ = ["written_args", "aliases", "WriteConflict", "write_conflicts", "check_mutations",
-           "clone_converted_writes_pass"]
-
-aten = torch.ops.aten
+__all__ = ["written_args", "aliased_input", "aliases", "WriteConflict", "write_conflicts",
+           "check_mutations"]
 
 
 def written_args(node: fx.Node) -> list[fx.Node]:
@@ -55,12 +52,12 @@ def _written_positions(target) -> tuple[tuple[int, str], ...]:
                  if arg.alias_info is not None and arg.alias_info.is_write)
 
 
-def _aliased_input(node: fx.Node) -> fx.Node | None:
+def aliased_input(node: fx.Node) -> fx.Node | None:
     """The input whose storage ``node``'s output shares (a view or an in-place op), or None."""
     if node.op != "call_function":
         return None
     if node.target is operator.getitem:  # one output of a split: a view of the split's input
-        return node.args[0] if _aliased_input(node.args[0]) is not None else None
+        return node.args[0] if aliased_input(node.args[0]) is not None else None
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None
@@ -74,7 +71,7 @@ def aliases(node: fx.Node) -> set[fx.Node]:
         n = todo.pop()
         if n not in out:
             out.add(n)
-            todo.extend(u for u in n.users if _aliased_input(u) is n)
+            todo.extend(u for u in n.users if aliased_input(u) is n)
     return out
 
 
@@ -105,7 +102,7 @@ def write_conflicts(gm: fx.GraphModule, converted: Callable[[fx.Node, fx.Node], 
     for node in gm.graph.nodes:
         for written in written_args(node):
             edges, base = [(written, node)], written
-            while (src := _aliased_input(base)) is not None:
+            while (src := aliased_input(base)) is not None:
                 edges.append((src, base))
                 base = src
             hit = next(((u, v) for u, v in edges if converted(u, v)), None)
@@ -140,19 +137,3 @@ def check_mutations(gm: fx.GraphModule, plan: ShardingPlan) -> None:
         f"{needed}, so the write would land on a copy while {', '.join(c.readers)} still read "
         "the original\n  hint: write it out of place (`h = h.relu()`, "
         "`torch.where(mask, v, h)`, `torch.cat` instead of slice assignment)")
-
-
-def clone_converted_writes_pass(gm: fx.GraphModule, plan: ShardingPlan) -> fx.GraphModule:
-    """An in-place op reaching a value this pipeline inserted writes into a clone of it."""
-    known = plan.placements
-    for node in list(gm.graph.nodes):
-        for written in written_args(node):
-            user, cur = node, written
-            while cur.name in known and (src := _aliased_input(cur)) is not None:
-                user, cur = cur, src
-            if cur.name in known:
-                continue
-            with gm.graph.inserting_before(user):
-                copy = gm.graph.call_function(aten.clone.default, (cur,))
-            user.replace_input_with(cur, copy)
-    return gm

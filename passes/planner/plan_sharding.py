@@ -59,15 +59,22 @@ __all__ = ["plan_sharding"]
 MAX_ROUNDS = 64
 
 
-def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOptions()) -> ShardingPlan:
-    """Choose column / row / vocabulary / replicated placements for every weight of ``cap.gm``."""
+def plan_sharding(cap: Capture, world_size: int,
+                  options: PlanOptions = PlanOptions()) -> tuple[ShardingPlan, dict[fx.Node, str]]:
+    """Choose column / row / vocabulary / replicated placements for every weight of ``cap.gm``.
+
+    Returns the plan, and the ops with no rule that met a sharded or partial input in any
+    round, with why (the pipeline decomposes them and plans again).
+    """
     if world_size < 1:
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
     constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
     needs_grad = values_with_grad(gm, cap.params)
+    no_rule: dict[fx.Node, str] = {}
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)
+        no_rule.update(state.no_rule)
         fresh = [d for d in state.demands if d not in constraints.demands]
         if fresh:
             constraints.demands.extend(fresh)
@@ -100,7 +107,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     plan = _freeze(cap, state, constraints, world_size, needs_grad)
     check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
-    return plan
+    return plan, no_rule
 
 
 def _sequence_length(cap: Capture, options: PlanOptions) -> int | None:

@@ -31,9 +31,7 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
-           "local_slice", "NO_RULE"]
-
-NO_RULE = "tp_no_rule"  # node.meta key: an op with no rule met a sharded or partial input
+           "local_slice"]
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -68,6 +66,8 @@ class Propagation:
     rejected: dict[str, str] = field(default_factory=dict)      # root -> why a rule refused it
     root_users: dict[str, set] = field(default_factory=dict)    # root -> ops that shard it
     statistics: set = field(default_factory=set)  # nodes whose partial sum is a per-token statistic
+    # op with no rule that met a sharded or partial input -> why (planned again decomposed)
+    no_rule: dict[fx.Node, str] = field(default_factory=dict)
     specs: Specs | None = None
     output: fx.Node | None = None
 
@@ -350,8 +350,8 @@ def _visit(node, state, specs, constraints):
     distributed = any(not isinstance(state.placements.get(a), Replicate) for a in inputs)
     if rule is None:
         reason = f"{_reading(node, state)} has no sharding rule"
-        if distributed:  # read by the pipeline: such an op is planned again decomposed
-            node.meta[NO_RULE] = reason
+        if distributed:
+            state.no_rule[node] = reason
     op = OpView(node, state, specs, constraints)
     for a in inputs:
         op.require(a, Replicate())

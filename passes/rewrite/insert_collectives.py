@@ -103,42 +103,6 @@ def _symbolic_tiles(p) -> bool:
     return isinstance(p, Shard) and p.layout.tiles == 0
 
 
-def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
-    g = gm.graph
-    nodes = {n.name: n for n in g.nodes}
-    order = {n: i for i, n in enumerate(g.nodes)}
-    conv = _Converter(gm, plan, rank, group)
-
-    f_of = {}
-    for bucket in _grad_sync_buckets(gm, plan, nodes, order):
-        with g.inserting_before(min((u for _, us in bucket for u in us), key=order.__getitem__)):
-            if len(bucket) == 1:
-                synced = [g.call_function(C.copy_to_region, (bucket[0][0], group))]
-            else:
-                call = g.call_function(C.copy_all_to_region, ([v for v, _ in bucket], group))
-                synced = [g.call_function(operator.getitem, (call, i)) for i in range(len(bucket))]
-        for (value, users), f in zip(bucket, synced):
-            f_of[value.name] = f
-            for u in users:
-                u.replace_input_with(value, f)
-
-    _sync_grad_pieces(gm, plan, conv.specs, rank, group, order)
-
-    groups: dict = {}
-    for c in plan.conversions:
-        user, f = nodes[c.user], f_of.get(c.value)
-        source = f if f is not None and f in user.all_input_nodes else nodes[c.value]
-        groups.setdefault((source, _key(c.dst), c.sum_grads), []).append((c, user))
-    for (source, _, sum_grads), items in groups.items():
-        c = items[0][0]
-        with g.inserting_before(min((u for _, u in items), key=order.__getitem__)):
-            out = conv.convert(source, c.src, c.dst, sum_grads)
-        for _, user in items:
-            user.replace_input_with(source, out)
-    g.lint()
-    return gm
-
-
 def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list[list]:
     """The plan's gradient syncs of values, as [(value, partial users)] buckets: the values of
     one repeated block share one all-reduce (k and v) unless one is computed from a reader of
@@ -247,3 +211,53 @@ def _replicated_pieces(specs: Specs, layout, rank: int) -> list[tuple[int, int]]
                     pieces.append((pos, pos + 1))
             pos += 1
     return pieces
+
+
+def _insert_grad_syncs(gm: fx.GraphModule, plan: ShardingPlan, nodes: dict, order: dict,
+                       group: str) -> dict[str, fx.Node]:
+    """One ``copy_to_region`` (*f*) per bucket of gradient-synced values, read by the users
+    the plan lists; returns value name -> its synced copy."""
+    g = gm.graph
+    f_of = {}
+    for bucket in _grad_sync_buckets(gm, plan, nodes, order):
+        with g.inserting_before(min((u for _, us in bucket for u in us), key=order.__getitem__)):
+            if len(bucket) == 1:
+                synced = [g.call_function(C.copy_to_region, (bucket[0][0], group))]
+            else:
+                call = g.call_function(C.copy_all_to_region, ([v for v, _ in bucket], group))
+                synced = [g.call_function(operator.getitem, (call, i)) for i in range(len(bucket))]
+        for (value, users), f in zip(bucket, synced):
+            f_of[value.name] = f
+            for u in users:
+                u.replace_input_with(value, f)
+    return f_of
+
+
+def _insert_conversions(g: fx.Graph, plan: ShardingPlan, nodes: dict, order: dict,
+                        conv: _Converter, f_of: dict[str, fx.Node]) -> None:
+    """Each conversion of the plan, once for all users that read the same value (or its synced
+    copy) in the same placement."""
+    groups: dict = {}
+    for c in plan.conversions:
+        user, f = nodes[c.user], f_of.get(c.value)
+        source = f if f is not None and f in user.all_input_nodes else nodes[c.value]
+        groups.setdefault((source, _key(c.dst), c.sum_grads), []).append((c, user))
+    for (source, _, sum_grads), items in groups.items():
+        c = items[0][0]
+        with g.inserting_before(min((u for _, u in items), key=order.__getitem__)):
+            out = conv.convert(source, c.src, c.dst, sum_grads)
+        for _, user in items:
+            user.replace_input_with(source, out)
+
+
+def insert_collectives_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int, group: str):
+    """The plan's collectives: gradient syncs (*f*), then all-reduces (*g*), gathers,
+    reduce-scatters and local slices where a consumer reads a value converted."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    conv = _Converter(gm, plan, rank, group)
+    f_of = _insert_grad_syncs(gm, plan, nodes, order, group)
+    _sync_grad_pieces(gm, plan, conv.specs, rank, group, order)
+    _insert_conversions(gm.graph, plan, nodes, order, conv, f_of)
+    gm.graph.lint()
+    return gm

@@ -43,12 +43,14 @@ def test_each_pass_can_be_diffed_on_its_own(llama_diff):
     sections = llama_diff.unified(passes=True).split("# === pass ")[1:]
     by_pass = {s.split("\n", 1)[0]: s for s in sections}
     assert list(by_pass) == ["drop_dead_code", "split_bias", "constant_index_as_slice",
-                             "functionalize_fresh_writes", "localize",
+                             "functionalize_fresh_writes", "decompose_unruled", "localize",
                              "insert_collectives", "clone_converted_writes", "materialize_params",
-                             "fuse_bias", "fuse_sequence_linears"]
+                             "fuse_bias", "fuse_sequence_linears", "retarget_device"]
     assert "(no change)" in by_pass["clone_converted_writes"]  # Llama writes nothing in place
     assert "(no change)" in by_pass["functionalize_fresh_writes"]  # nor into fresh buffers
     assert "(no change)" in by_pass["split_bias"]  # Llama's linears have no bias
+    assert "(no change)" in by_pass["decompose_unruled"]  # every op it shards has a rule
+    assert "(no change)" in by_pass["retarget_device"]  # captured on the CPU, not on meta
     localize = changed(by_pass["localize"], "+")
     assert localize and all(" = torch.ops.aten." in line and ("view" in line or "expand" in line
                             or "reshape" in line) for line in localize)

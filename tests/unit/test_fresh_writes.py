@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from tpcompile.passes.pipeline import plan, run_passes
-from tpcompile.passes.planner.functionalize import functionalize_fresh_writes_pass, out_of_place
+from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fresh_writes_pass, out_of_place
 from support import workers
 
 aten = torch.ops.aten

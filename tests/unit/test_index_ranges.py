@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tpcompile.core.capture import capture
-from tpcompile.passes.planner.index_ranges import constant_index_as_slice_pass
+from tpcompile.passes.prepare.constant_index_as_slice import constant_index_as_slice_pass
 
 aten = torch.ops.aten
 

@@ -2,9 +2,10 @@
 
 The order tells the pipeline's story: errors and the bridges between torch releases (compat),
 then capture and the plan's data types (core), what rewritten graphs call at run time
-(runtime), the passes, ``parallelize`` (api), the features built on it (compile, inspect,
-state), and the tools on top. A module importing upwards would let stage 1 depend on stage 4;
-this test names the first such import.
+(runtime), the passes (the planner's analyses and rule table, then the passes that prepare or
+rewrite the graph with them, then the pipeline that runs them all), ``parallelize`` (api), the
+features built on it (compile, inspect, state), and the tools on top. A module importing
+upwards would let stage 1 depend on stage 4; this test names the first such import.
 """
 
 import ast
@@ -19,7 +20,9 @@ LAYERS = [
     {"tpcompile.errors", "tpcompile.compat"},
     {"tpcompile.core"},
     {"tpcompile.runtime"},
-    {"tpcompile.passes"},
+    {"tpcompile.passes.planner"},
+    {"tpcompile.passes.prepare", "tpcompile.passes.rewrite"},
+    {"tpcompile.passes.pipeline", "tpcompile.passes"},
     {"tpcompile.api"},
     {"tpcompile.compile", "tpcompile.inspect", "tpcompile.state"},
     {"tpcompile.tools"},

@@ -10,8 +10,8 @@ import tpcompile
 from tpcompile.tools import models
 from tpcompile.api import rewrite
 from tpcompile.state.checkpoint import ShardedParam, sharded_state_dict
-from tpcompile.passes.rewrite.device import baked_devices
-from tpcompile.passes.rewrite.materialize import take_shard
+from tpcompile.passes.rewrite.retarget_device import baked_devices
+from tpcompile.passes.rewrite.materialize_params import take_shard
 from tpcompile.runtime.module import TPModule
 from tpcompile.core.shards import placements_by_fqn
 

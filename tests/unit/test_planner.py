@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import tpcompile
 from tpcompile import ShardingPlan
 
 from tpcompile.tools import models
@@ -154,3 +155,12 @@ def test_ops_without_rules_are_planned_through_their_decompositions():
     assert not plan.fallbacks and len(all_reduces(plan)) == 1
     decomposed = {n.meta["decomposed_from"] for n in cap.gm.graph.nodes if "decomposed_from" in n.meta}
     assert decomposed == {"aten.logsumexp.default", "aten.view_as.default", "aten.pad.default"}
+
+
+def test_decompositions_are_a_pass_of_their_own_in_the_diff():
+    result = tpcompile.diff(UnruledOps(), (torch.randn(2, 5, 8),), 2, passes=True)
+    sections = {s.split("\n", 1)[0]: s for s in str(result).split("# === pass ")[1:]}
+    added = [line for line in sections["decompose_unruled"].splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    assert any("aten.amax" in line for line in added)  # logsumexp's first op
+    assert "(no change)" in sections["functionalize_fresh_writes"]

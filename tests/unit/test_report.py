@@ -14,7 +14,7 @@ from torch import nn
 import tpcompile
 from tpcompile.tools import models
 from tpcompile.api import plan_model, rewrite
-from tpcompile.passes.rewrite.materialize import materialize_params_pass
+from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
 from tpcompile.runtime.collectives import COLLECTIVE_FNS, count_collectives
 from tpcompile.inspect.explain import SCHEMA, Report
 

@@ -110,9 +110,9 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
         meta = dict(device="meta", dtype=torch.long)
         example = (torch.empty(batch, n, **meta), torch.empty(batch, max_len, **meta),
                    torch.empty(batch, n, **meta), torch.empty(n, **meta))
-        gm = capture(example, {}, module=wrapper, prefix="model.")
-        bind_tensors(gm, tp, prefix="model.", rank=tp.rank)
-        inner = type(tp)(gm, gm.meta["tpcompile_plan"], tp.rank, tp.group, tp.call_check.mode)
+        gm, plan = capture(example, {}, module=wrapper, prefix="model.")
+        bind_tensors(gm, tp, plan, prefix="model.", rank=tp.rank)
+        inner = type(tp)(gm, plan, tp.rank, tp.group, tp.call_check.mode)
         inner.capture_signature = lambda args, kwargs: capture(args, kwargs, module=wrapper,
                                                                prefix="model.")
         store.clear()  # one cache at a time: a new batch or length frees the last one

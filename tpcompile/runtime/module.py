@@ -45,7 +45,7 @@ class TPModule(nn.Module):
         # every rank of the group constructs its TPModule at the same point, in parallelize)
         object.__setattr__(self, "call_check", CallCheck(group, check_calls))
         # further (input spec, graph) pairs, one per call signature (see runtime.signatures);
-        # capture_signature(args, kwargs) -> a rewritten graph, set by parallelize
+        # capture_signature(args, kwargs) -> (a rewritten graph, its plan), set by parallelize
         object.__setattr__(self, "signatures", [])
         object.__setattr__(self, "capture_signature", None)
         # the same, on a meta copy of the model, for generate()'s static-cache wrapper
@@ -85,8 +85,9 @@ class TPModule(nn.Module):
             return pairs[fits.index(True)]
         if fits[0] is None or len(self.signatures) >= MAX_SIGNATURES:
             return pairs[0]  # the call check names what is wrong with the call
-        gm = self.capture_signature(args, kwargs)  # local: no collective before the call check
-        bind_tensors(gm, self)
+        # local: no collective before the call check
+        gm, plan = self.capture_signature(args, kwargs)
+        bind_tensors(gm, self, plan)
         self.signatures.append((InputSpec.of(gm), gm))
         return self.signatures[-1]
 

@@ -27,17 +27,18 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
                 + list(module.named_buffers(remove_duplicate=False)))
 
 
-def bind_tensors(gm: fx.GraphModule, owner: nn.Module, prefix: str = "", rank: int = 0) -> None:
+def bind_tensors(gm: fx.GraphModule, owner: nn.Module, plan=None, prefix: str = "",
+                 rank: int = 0) -> None:
     """Make every parameter and buffer of ``gm`` the tensor of the same name in ``owner``.
 
     ``gm`` was rewritten without materializing its weights (it holds meta tensors); the caller
     has checked that it was planned as ``owner``'s first graph. ``prefix``: ``gm`` captured a
     wrapper holding the model there; the wrapper's own buffers (its KV cache) are allocated
-    here as this rank's zero shards, from the plan in ``gm.meta["tpcompile_plan"]``.
+    here as this rank's zero shards, from ``plan``, the ``ShardingPlan`` ``gm`` was rewritten
+    under (None once every tensor of ``gm`` is ``owner``'s).
     """
     mine = _tensors(owner)
     device = next(iter(mine.values())).device if mine else torch.device("cpu")
-    plan = gm.meta.get("tpcompile_plan")
     for name, t in _tensors(gm).items():
         held = mine.get(name) if not name.startswith(prefix) else mine.get(name[len(prefix):], mine.get(name))
         if held is None and plan is not None and name in plan.by_fqn and not isinstance(t, nn.Parameter):

@@ -10,7 +10,7 @@ Three things a meta model lacks are handled here:
 
 * memory: :func:`to_empty` allocates every local shard on the target device (uninitialised);
 * device constants: ops the graph creates tensors with (``torch.full(..., device=x.device)``)
-  were captured as ``device='meta'`` and are retargeted (``passes/rewrite/device.py``);
+  were captured as ``device='meta'`` and are retargeted (``passes/rewrite/retarget_device.py``);
 * non-persistent buffers (RoPE tables, causal masks): they are in no state dict, so their
   values must come from the model code. :func:`buffers_of` re-runs the model's constructor with
   its parameters on meta, which costs only the buffers' memory.
@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from tpcompile.errors import TPCompileError
-from tpcompile.passes.rewrite.device import retarget_device_pass
+from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.module import TPModule
 from tpcompile.core.shards import placements_by_fqn, take_shard
 
@@ -132,7 +132,7 @@ def to_empty(tp: TPModule, device="cpu", buffers: dict[str, torch.Tensor] | None
         for name in needed:
             full = buffers[name]
             tp.get_buffer(name).copy_(take_shard(full, placements.get(name), tp.plan.specs, tp.rank))
-    retarget_device_pass(tp.graph_module, META, device)
+    retarget_device_pass(tp.graph_module, device)  # not in the pipeline: it ran long before
     tp.graph_module.recompile()
     return tp
 

@@ -141,7 +141,7 @@ RULES[aten.index_copy_.default] = Rule(_in_place(_index_copy, into_cache=True))
 # --------------------------------------------------------------------------- fresh buffers
 
 # ops that make a new graph-local tensor: writes into one can be made out of place
-# (tpcompile.passes.planner.functionalize)
+# (tpcompile.passes.prepare.functionalize_fresh_writes)
 FRESH_BUFFERS = frozenset({
     aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
     aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,

@@ -4,13 +4,17 @@
 ..., device=x.device)`` becomes ``aten.full(..., device=<the example input's device>)``. A model
 captured on the meta device (to build it without memory) therefore holds ``device='meta'``
 ops, which would create meta tensors on every call once its shards are real. This pass moves
-each such argument to the device the shards were allocated on.
+each such argument to the device the shards live on: in the pipeline for a graph captured from
+a meta copy of a real model (a further call signature), and from
+:func:`tpcompile.state.meta_init.to_empty` once a model built on meta gets real shards (the
+device is known only then, long after the pipeline ran).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 __all__ = ["retarget_device_pass", "baked_devices"]
 
@@ -42,12 +46,17 @@ def baked_devices(gm: fx.GraphModule) -> set[torch.device]:
     return found
 
 
-def retarget_device_pass(gm: fx.GraphModule, src: torch.device, dst: torch.device) -> fx.GraphModule:
-    """Replace every ``src`` device constant in the graph's op arguments by ``dst``."""
-    src, dst = torch.device(src), torch.device(dst)
+def retarget_device_pass(gm: fx.GraphModule, device: torch.device | None) -> PassResult:
+    """device='meta' -> ``device`` in the graph's op arguments; None leaves them as captured."""
+    if device is None:
+        return PassResult(gm, False)
+    src, dst = torch.device("meta"), torch.device(device)
+    changed = False
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        node.args = _swap(node.args, src, dst)
-        node.kwargs = {k: _swap(v, src, dst) for k, v in node.kwargs.items()}
-    return gm
+        args = _swap(node.args, src, dst)
+        kwargs = {k: _swap(v, src, dst) for k, v in node.kwargs.items()}
+        if args is not node.args or any(kwargs[k] is not v for k, v in node.kwargs.items()):
+            node.args, node.kwargs, changed = args, kwargs, True
+    return PassResult(gm, changed)

@@ -29,6 +29,31 @@ __all__ = ["constant_index_as_slice_pass"]
 aten = torch.ops.aten
 
 
+def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
+    """The tensor a constant index holds: a ``get_attr`` of a non-parameter, possibly through
+    the ``lift_fresh_copy`` torch.export puts after a tensor the model builds from a list."""
+    if isinstance(node, fx.Node) and node.target is aten.lift_fresh_copy.default:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = operator.attrgetter(node.target)(gm)
+    return None if isinstance(value, torch.nn.Parameter) else value
+
+
+def _run(index: torch.Tensor | None, size) -> tuple[int, int] | None:
+    """``(a, b)`` when ``index`` is the integers ``a, a+1, ..., b-1`` of a dim of ``size``."""
+    if (index is None or index.dim() != 1 or index.numel() == 0 or index.is_floating_point()
+            or index.dtype is torch.bool or not isinstance(size, int) or index.is_meta):
+        return None
+    values = [int(v) for v in index.tolist()]
+    if not all(-size <= v < size for v in values):
+        return None  # out of range: left to raise as the model would
+    values = [v % size for v in values]
+    if values != list(range(values[0], values[0] + len(values))):
+        return None
+    return values[0], values[-1] + 1
+
+
 def constant_index_as_slice_pass(gm: fx.GraphModule) -> PassResult:
     g = gm.graph
     changed = False
@@ -56,28 +81,3 @@ def constant_index_as_slice_pass(gm: fx.GraphModule) -> PassResult:
         changed = True
     g.lint()
     return PassResult(gm, changed)
-
-
-def _constant(gm: fx.GraphModule, node) -> torch.Tensor | None:
-    """The tensor a constant index holds: a ``get_attr`` of a non-parameter, possibly through
-    the ``lift_fresh_copy`` torch.export puts after a tensor the model builds from a list."""
-    if isinstance(node, fx.Node) and node.target is aten.lift_fresh_copy.default:
-        node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    value = operator.attrgetter(node.target)(gm)
-    return None if isinstance(value, torch.nn.Parameter) else value
-
-
-def _run(index: torch.Tensor | None, size) -> tuple[int, int] | None:
-    """``(a, b)`` when ``index`` is the integers ``a, a+1, ..., b-1`` of a dim of ``size``."""
-    if (index is None or index.dim() != 1 or index.numel() == 0 or index.is_floating_point()
-            or index.dtype is torch.bool or not isinstance(size, int) or index.is_meta):
-        return None
-    values = [int(v) for v in index.tolist()]
-    if not all(-size <= v < size for v in values):
-        return None  # out of range: left to raise as the model would
-    values = [v % size for v in values]
-    if values != list(range(values[0], values[0] + len(values))):
-        return None
-    return values[0], values[-1] + 1

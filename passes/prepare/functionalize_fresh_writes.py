@@ -83,6 +83,17 @@ def _computed(node: fx.Node) -> bool:
             and schema.returns[0].alias_info is None and isinstance(val(node), torch.Tensor))
 
 
+def _write_back(g: fx.Graph, node: fx.Node, functional, chain: list[fx.Node]) -> fx.Node:
+    """The out-of-place op on the written view, scattered back through each view to the base."""
+    value = value_of_write(g, node, functional)
+    value.meta.update(node.meta)
+    for view, inner in zip(reversed(chain[1:]), reversed(chain[:-1])):
+        value = g.call_function(SCATTERS[view.target], (inner, value, *view.args[1:]), view.kwargs)
+        value.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        value.meta["val"] = inner.meta.get("val")
+    return value
+
+
 def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> PassResult:
     """Rewrite in-place writes into fresh buffers (see module docstring).
 
@@ -115,14 +126,3 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> PassResult:
         fresh.add(value)
         changed = True
     return PassResult(gm, changed)
-
-
-def _write_back(g: fx.Graph, node: fx.Node, functional, chain: list[fx.Node]) -> fx.Node:
-    """The out-of-place op on the written view, scattered back through each view to the base."""
-    value = value_of_write(g, node, functional)
-    value.meta.update(node.meta)
-    for view, inner in zip(reversed(chain[1:]), reversed(chain[:-1])):
-        value = g.call_function(SCATTERS[view.target], (inner, value, *view.args[1:]), view.kwargs)
-        value.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        value.meta["val"] = inner.meta.get("val")
-    return value

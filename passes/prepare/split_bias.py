@@ -1,11 +1,11 @@
-"""Bias passes: split biases off matmuls before planning, fuse them back after rewriting.
+"""Split biases off matmuls before planning, so a row-parallel bias is added once.
 
 A row-parallel matmul produces partial sums; its bias must be added once, after the
 all-reduce, not on every rank. Planning on ``linear(x, W) + b`` instead of ``linear(x, W, b)``
 makes that fall out of the rule table (``Partial + Replicate`` needs the all-reduce first), and
 lets a column-parallel bias be sharded like any other operand. After the rewrite,
-:func:`fuse_bias_pass` folds every bias that still directly follows its matmul back in, so
-eager mode runs one ``addmm`` as before.
+:func:`tpcompile.passes.rewrite.fuse_bias.fuse_bias_pass` folds every bias that still directly
+follows its matmul back in, so eager mode runs one ``addmm`` as before.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 aten = torch.ops.aten
 
-__all__ = ["split_bias_pass", "fuse_bias_pass"]
+__all__ = ["split_bias_pass"]
 
 
 def split_bias_pass(gm: fx.GraphModule) -> PassResult:
@@ -41,27 +41,3 @@ def split_bias_pass(gm: fx.GraphModule) -> PassResult:
             u.replace_input_with(node, add)
         changed = True
     return PassResult(gm, changed)
-
-
-def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """``linear(x, W) + b`` -> ``linear(x, W, b)`` where the sum directly follows the matmul."""
-    g = gm.graph
-    for node in list(g.nodes):
-        if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
-            continue
-        mm, b = node.args
-        if not (isinstance(mm, fx.Node) and isinstance(b, fx.Node) and len(mm.users) == 1
-                and b.op == "get_attr"):
-            continue
-        bias_val = b.meta.get("val")
-        if not (isinstance(bias_val, torch.Tensor) and bias_val.dim() == 1):
-            continue
-        if mm.target is aten.linear.default and len(mm.args) == 2:
-            mm.args = (mm.args[0], mm.args[1], b)
-        elif mm.target is aten.mm.default:
-            mm.target, mm.args = aten.addmm.default, (b, mm.args[0], mm.args[1])
-        else:
-            continue
-        node.replace_all_uses_with(mm)
-        g.erase_node(node)
-    return gm

@@ -24,11 +24,12 @@ from torch import fx
 from torch._decomp import core_aten_decompositions
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tpcompile.passes.planner.rules import rule_for, rule_for_target
 
-__all__ = ["decomposable", "decompose_nodes", "MAX_ROUNDS"]
+__all__ = ["decomposable", "decompose_nodes", "decompose_unruled_pass", "MAX_ROUNDS"]
 
 MAX_ROUNDS = 4  # a decomposition may expose the next op without a rule
 
@@ -116,6 +117,15 @@ def decompose_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> int:
             node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         done += 1
-    gm.graph.lint()
-    gm.recompile()
     return done
+
+
+def decompose_unruled_pass(gm: fx.GraphModule, no_rule: dict[fx.Node, str]) -> PassResult:
+    """logsumexp(x) -> amax, sub, exp, sum: ops with no rule that met sharded data, decomposed.
+
+    ``no_rule``: the planner's ops with no rule that met a sharded or partial input. Every use
+    of such an op is rewritten: the same op in the next layer is the next blocker.
+    """
+    ops = {n.target for n in no_rule if decomposable(n)}
+    unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+    return PassResult(gm, decompose_nodes(gm, unruled) > 0)

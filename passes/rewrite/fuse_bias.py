@@ -1,0 +1,40 @@
+"""Fuse biases back into their matmuls after the rewrite, so eager mode runs one ``addmm``.
+
+:func:`tpcompile.passes.prepare.split_bias.split_bias_pass` planned every biased matmul as
+``linear(x, W) + b`` (a row-parallel bias is added once, after the all-reduce). Where the bias
+still directly follows its matmul on this rank (no collective between them), it is folded back
+into ``linear`` / ``addmm``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+__all__ = ["fuse_bias_pass"]
+
+
+def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """``linear(x, W) + b`` -> ``linear(x, W, b)`` where the sum directly follows the matmul."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        mm, b = node.args
+        if not (isinstance(mm, fx.Node) and isinstance(b, fx.Node) and len(mm.users) == 1
+                and b.op == "get_attr"):
+            continue
+        bias_val = b.meta.get("val")
+        if not (isinstance(bias_val, torch.Tensor) and bias_val.dim() == 1):
+            continue
+        if mm.target is aten.linear.default and len(mm.args) == 2:
+            mm.args = (mm.args[0], mm.args[1], b)
+        elif mm.target is aten.mm.default:
+            mm.target, mm.args = aten.addmm.default, (b, mm.args[0], mm.args[1])
+        else:
+            continue
+        node.replace_all_uses_with(mm)
+        g.erase_node(node)
+    return gm
