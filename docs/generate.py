@@ -26,8 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the package's parts bottom to top, as tests/unit/test_layers.py orders them
-LAYOUT = ["tpcompile/__init__.py", "tpcompile/errors.py", "tpcompile/core", "tpcompile/runtime",
-          "passes/planner", "passes/prepare", "passes/rewrite", "passes/pipeline.py",
+LAYOUT = ["tpcompile/__init__.py", "tpcompile/errors.py", "tpcompile/compat.py", "tpcompile/core",
+          "tpcompile/runtime", "passes/planner", "passes/prepare", "passes/rewrite",
+          "passes/pipeline.py",
           "tpcompile/api.py", "tpcompile/compile", "tpcompile/inspect", "tpcompile/state",
           "tpcompile/tools"]
 WIDTH, COLUMN = 100, 30
