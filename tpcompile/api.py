@@ -124,11 +124,11 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         written in place) gets it sharded, and a one-token decode call its own capture; a
         Hugging Face causal LM gets ``tp.generate`` (see docs/generation.md).
     """
-    group, rank, world_size = resolve_group(mesh)
-    check_mode(check_calls)  # before planning, which takes a while
     if activation_checkpointing not in MODES:
         raise ValueError(f"activation_checkpointing must be one of {MODES}, got "
                          f"{activation_checkpointing!r}")
+    group, rank, world_size = resolve_group(mesh)
+    check_mode(check_calls)  # before planning, which takes a while
     warn_if_unbounded(group)
     options = PlanOptions(vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
                           sequence_parallel=sequence_parallel)

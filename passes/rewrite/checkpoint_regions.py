@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.checkpoint_marks import REGION
 
-__all__ = ["MODES", "regions_of", "checkpointed_graph"]
+__all__ = ["MODES", "regions_of", "outlinable_regions", "checkpointed_graph"]
 
 MODES = (None, "full")  # activation_checkpointing values parallelize accepts
 
@@ -142,12 +142,9 @@ def _units_in_order(gm: fx.GraphModule, regions: list[_Region]) -> list:
     return order
 
 
-def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[list, list]:
-    """Outline ``gm``'s regions (in place) into checkpointed calls.
-
-    Returns ``(kept, dropped)``: the names of the regions now checkpointed, and
-    ``(name, reason)`` for those left inline.
-    """
+def outlinable_regions(gm: fx.GraphModule, mode: str | None = None) -> tuple[list, list]:
+    """``(regions that can be outlined, [(name, why not) for the others])``; ``explain``
+    reports both without outlining."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions, dropped = [], []
     for name, nodes in regions_of(gm, mode).items():
@@ -156,6 +153,16 @@ def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[lis
             regions.append(_Region(name, nodes))
         else:
             dropped.append((name, reason))
+    return regions, dropped
+
+
+def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[list, list]:
+    """Outline ``gm``'s regions (in place) into checkpointed calls.
+
+    Returns ``(kept, dropped)``: the names of the regions now checkpointed, and
+    ``(name, reason)`` for those left inline.
+    """
+    regions, dropped = outlinable_regions(gm, mode)
     if not regions:
         return [], dropped
     graph = fx.Graph()
