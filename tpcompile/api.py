@@ -115,7 +115,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         activation_checkpointing: None keeps the model's own ``torch.utils.checkpoint``
             regions (and Hugging Face's ``gradient_checkpointing_enable()``) checkpointed, on
             the shards; ``"full"`` checkpoints each repeated block (``layers.0``, ...) of a
-            model that does not. A region that cannot be kept is named in a warning.
+            model that does not; ``"selective"`` too, but saves the outputs of its matmuls,
+            attentions and collectives and recomputes the rest. A region that cannot be
+            kept is named in a warning.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -159,13 +161,13 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
 def _checkpoint_regions(gm, mode: str | None) -> list[str]:
     """Run the graph's checkpointed regions through torch.utils.checkpoint (returns their
     names); warn for each region that stays inline (its activations are saved), and when
-    "full" finds no repeated block."""
+    "full" or "selective" finds no repeated block."""
     kept, dropped = checkpointed_graph(gm, mode)
     for name, reason in dropped:
         warnings.warn(f"tpcompile: {name} is not checkpointed in the parallelized model: "
                       f"{reason}; its activations are saved for backward", stacklevel=3)
-    if mode == "full" and not kept and not dropped:
-        warnings.warn("tpcompile: activation_checkpointing='full' found no repeated blocks "
+    if mode is not None and not kept and not dropped:
+        warnings.warn(f"tpcompile: activation_checkpointing={mode!r} found no repeated blocks "
                       "(children of a ModuleList) to checkpoint; nothing is recomputed",
                       stacklevel=3)
     return kept

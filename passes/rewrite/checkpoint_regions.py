@@ -2,12 +2,15 @@
 
 A region is a set of the graph's ops whose activations are recomputed in backward instead of
 saved: a ``torch.utils.checkpoint.checkpoint`` call of the model (marked at capture,
-:mod:`tpcompile.core.checkpoint_marks`), or with ``activation_checkpointing="full"`` one call
-of a repeated block (``layers.3``, :mod:`tpcompile.core.block_paths`). The planner and the
-rewrite keep each captured node's mark; a node the passes inserted (a collective, a slice of a
-weight) has none and joins the region of its inputs, or else of its users, when they agree on
-one. So the collectives of a region run inside it and are recomputed in backward, as in
-Megatron's full recompute: every rank recomputes the same regions in the same order.
+:mod:`tpcompile.core.checkpoint_marks`), or with ``activation_checkpointing="full"`` or
+``"selective"`` one call of a repeated block (``layers.3``, :mod:`tpcompile.core.block_paths`).
+The planner and the rewrite keep each captured node's mark; a node the passes inserted (a
+collective, a slice of a weight) has none and joins the region of its inputs, or else of its
+users, when they agree on one. So the collectives of a region run inside it and run again
+when its recomputation reaches them, as in Megatron's full recompute (torch stops a
+recomputation once backward has what it reads): every rank recomputes the same regions in the
+same order. ``"selective"`` saves the outputs of :data:`SAVED_OPS` (matmuls, attention, collectives) and
+recomputes the rest, through ``create_selective_checkpoint_contexts``.
 
 :func:`checkpointed_graph` outlines each region into a function of its inputs (activations,
 parameters, sizes: the parameters stay ``get_attr`` nodes of the outer graph, so their names do
@@ -19,25 +22,38 @@ is reported with the reason; the result is always the same computation.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import operator
 from collections import defaultdict
 
 import torch
 from torch import fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.checkpoint_marks import REGION
 
 __all__ = ["MODES", "regions_of", "outlinable_regions", "checkpointed_graph"]
 
-MODES = (None, "full")  # activation_checkpointing values parallelize accepts
+MODES = (None, "full", "selective")  # activation_checkpointing values parallelize accepts
+_ATEN, _C10D = torch.ops.aten, torch.ops._c10d_functional
+# "selective": what a block's recomputation reads back instead of computing again: the
+# matmuls' and attentions' outputs (the expensive ops) and every collective's (so backward
+# communicates no more than without checkpointing); the rest (norms, activations, adds,
+# views) is recomputed
+SAVED_OPS = [_ATEN.mm.default, _ATEN.addmm.default, _ATEN.bmm.default,
+             _ATEN._scaled_dot_product_flash_attention_for_cpu.default,
+             _ATEN._scaled_dot_product_efficient_attention.default,
+             _ATEN._scaled_dot_product_flash_attention.default,
+             _ATEN._scaled_dot_product_cudnn_attention.default,
+             _C10D.all_reduce.default, _C10D.all_gather_into_tensor.default,
+             _C10D.reduce_scatter_tensor.default, _C10D.wait_tensor.default]
 
 
 def _given_regions(gm: fx.GraphModule, mode: str | None) -> dict[fx.Node, str | None]:
     """The region each captured op was traced in (None: outside); inserted ops are absent."""
-    if mode == "full":
+    if mode in ("full", "selective"):
         paths = repeated_block_paths(gm)
         return {n: block_of(n, paths) for n in gm.graph.nodes
                 if n.op == "call_function" and "nn_module_stack" in n.meta}
@@ -101,8 +117,9 @@ class _Region:
                                          if a not in inside))
         self.outputs = [n for n in nodes if any(u not in inside for u in n.users)]
 
-    def call(self):
-        """A function of the region's inputs that runs its ops under activation checkpointing."""
+    def call(self, options: dict):
+        """A function of the region's inputs that runs its ops under activation checkpointing
+        (``options``: more keyword arguments of ``checkpoint``)."""
         graph = fx.Graph()
         env = {a: graph.placeholder(f"arg{i}") for i, a in enumerate(self.inputs)}
         for node in self.nodes:
@@ -111,7 +128,7 @@ class _Region:
         body = fx.GraphModule(torch.nn.Module(), graph, class_name="CheckpointedRegion")
 
         def checkpointed_region(*args):  # a plain function: FX's code refers to it as a global
-            return checkpoint(body, *args, use_reentrant=False)
+            return checkpoint(body, *args, use_reentrant=False, **options)
 
         return checkpointed_region
 
@@ -140,6 +157,14 @@ def _units_in_order(gm: fx.GraphModule, regions: list[_Region]) -> list:
             if not needs[r]:
                 heapq.heappush(ready, (first[r], id(r), r))
     return order
+
+
+def _options(mode: str | None) -> dict:
+    """Full recomputation, or (``"selective"``) all but :data:`SAVED_OPS`. No ``context_fn``
+    unless needed: torch.compile (2.13) refuses one given as a variable, even the default."""
+    if mode == "selective":
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, SAVED_OPS)}
+    return {}
 
 
 def outlinable_regions(gm: fx.GraphModule, mode: str | None = None) -> tuple[list, list]:
@@ -172,9 +197,11 @@ def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[lis
         if not isinstance(unit, _Region):
             env[unit] = graph.node_copy(unit, env.__getitem__)
             continue
-        out = graph.call_function(unit.call(), tuple(env[a] for a in unit.inputs))
+        out = graph.call_function(unit.call(_options(mode)), tuple(env[a] for a in unit.inputs))
         for i, node in enumerate(unit.outputs):
             env[node] = graph.call_function(operator.getitem, (out, i))
-            env[node].meta = dict(node.meta)
+            # the value only: no module stack, which would make the getitem look like an op of
+            # the block to runtime.regions (compile regions outline repeated blocks' ops)
+            env[node].meta = {k: node.meta[k] for k in ("val", "tensor_meta") if k in node.meta}
     gm.graph = graph
     return [r.name for r in regions], dropped

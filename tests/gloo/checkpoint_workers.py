@@ -11,6 +11,7 @@ import traceback
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import tpcompile
@@ -50,13 +51,12 @@ MLP = models.ModelConfig(dim=64, hidden=256, n_layers=4)
 def _model(name: str):
     """(model, inputs, parallelize options) of case ``name``."""
     torch.manual_seed(0)
+    plain = name.endswith(("_full", "_selective", "_plain"))  # does not checkpoint itself
     if name.startswith("llama"):
-        cls = models.Llama if name == "llama_full" else CheckpointedLlama
-        model = cls(LLAMA) if name == "llama_full" else cls(LLAMA, name == "llama_reentrant")
+        model = models.Llama(LLAMA) if plain else CheckpointedLlama(LLAMA, "reentrant" in name)
         return model, models.example_inputs(model), _options(name)
     if name.startswith("mlp"):
-        cls = models.MLPStack if name in ("mlp_full", "mlp_plain") else CheckpointedMLP
-        model = cls(MLP)
+        model = models.MLPStack(MLP) if plain else CheckpointedMLP(MLP)
         return model, models.example_inputs(model, batch=4, seq=32), _options(name)
     model = hf_llama()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -64,7 +64,8 @@ def _model(name: str):
 
 
 def _options(name: str) -> dict:
-    return {"activation_checkpointing": "full"} if name.endswith("_full") else {}
+    mode = name.rpartition("_")[2]
+    return {"activation_checkpointing": mode} if mode in ("full", "selective") else {}
 
 
 def hf_llama():
@@ -75,7 +76,9 @@ def hf_llama():
                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                          max_position_embeddings=64)
     model = tf.LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with warnings.catch_warnings():  # transformers' note that the name is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()  # use_reentrant=False, transformers' default
     return model.train()
 
 
@@ -94,7 +97,35 @@ def _case(name: str) -> dict:
             "warnings": [str(w.message) for w in caught if "tpcompile" in str(w.message)],
             "saved": saved_activation_bytes(tp, inputs),
             "saved_unsharded": saved_activation_bytes(model, inputs),
+            # eager only: a compiled backward runs higher-order ops the counter cannot see into
+            "backward_ops": None if compiled else backward_ops(tp, inputs),
             "block_inputs": _block_input_bytes(model, inputs)}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the matmuls and collectives that reach the dispatcher (a selective
+    checkpoint's saved outputs are served before they do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"mm": 0, "collectives": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.counts["mm"] += 1
+        elif func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
+            self.counts["collectives"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(tp, inputs) -> dict:
+    """Matmuls and collectives run by one backward (recomputations included)."""
+    out = tp(*inputs)
+    out = out if isinstance(out, torch.Tensor) else out[0]  # a Hugging Face model's logits
+    with _OpCounter() as counter:
+        out.float().sum().backward()
+    tp.zero_grad()
+    return counter.counts
 
 
 def _block_input_bytes(model, inputs) -> int:

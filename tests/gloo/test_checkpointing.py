@@ -3,10 +3,10 @@
 
 Models that checkpoint their blocks themselves (``use_reentrant`` False and True, Hugging
 Face's ``gradient_checkpointing_enable``) and models parallelized with
-``activation_checkpointing="full"``: outputs and every gradient equal the unsharded model's
-(float32, 1e-5 relative), every block is a checkpointed region, no warning, and the bytes
-autograd saves for backward per rank are what checkpointing leaves (the blocks' inputs, which
-every rank holds whole) rather than every activation of the blocks.
+``activation_checkpointing="full"`` or ``"selective"``: outputs and every gradient equal the
+unsharded model's (float32, 1e-5 relative), every block is a checkpointed region, no
+warning, and the bytes autograd saves for backward per rank are what checkpointing leaves
+(the blocks' inputs, which every rank holds whole) rather than every activation of the blocks.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from tpcompile.tools.launch import run_on_ranks
 pytestmark = pytest.mark.dist
 
 BODIES = str(Path(__file__).parent / "checkpoint_workers.py")
-EAGER = ["llama", "llama_reentrant", "llama_full", "mlp", "mlp_full", "mlp_plain", "hf"]
+EAGER = ["llama", "llama_reentrant", "llama_full", "llama_selective", "mlp", "mlp_full",
+         "mlp_selective", "mlp_plain", "hf"]
 AT_4 = ["mlp", "mlp_full", "mlp_plain"]  # the 4-rank case CI runs; the rest are slow
-REGIONS = {"llama": 2, "llama_reentrant": 2, "llama_full": 2, "mlp": 4, "mlp_full": 4,
-           "mlp_plain": 0, "hf": 2}
+REGIONS = {"llama": 2, "llama_reentrant": 2, "llama_full": 2, "llama_selective": 2, "mlp": 4,
+           "mlp_full": 4, "mlp_selective": 4, "mlp_plain": 0, "hf": 2}
 
 
 def _launch(world_size: int, names: list[str]) -> list:
@@ -68,6 +69,19 @@ def test_saved_activations_are_the_checkpointed_models(results, ws, name):
     for c in _cases(results, ws, name):
         assert c["saved"] <= 1.1 * unsharded_ckpt / ws + c["block_inputs"], c["saved"]
         assert c["saved"] * 3 < without, (c["saved"], without)
+
+
+def test_recomputation_in_backward(results):
+    """Full checkpointing recomputes each block's first matmul in backward (its second's output
+    is not needed, so the recomputation stops before it, and before the all-reduce);
+    "selective" reads every matmul's output back; the collectives are those without
+    checkpointing either way."""
+    ops = {name: _cases(results, 2, name)[0]["backward_ops"]
+           for name in ("mlp", "mlp_full", "mlp_selective", "mlp_plain")}
+    layers = REGIONS["mlp"]
+    assert ops["mlp"]["mm"] == ops["mlp_full"]["mm"] == ops["mlp_plain"]["mm"] + layers
+    assert ops["mlp_selective"] == ops["mlp_plain"]
+    assert all(o["collectives"] == ops["mlp_plain"]["collectives"] for o in ops.values())
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_reentrant", "llama_full", "hf"])

@@ -98,9 +98,10 @@ def test_region_read_back_from_outside_stays_inline_with_a_warning():
     assert "checkpointed_region" not in gm.code
 
 
-def test_full_mode_regions_are_the_repeated_blocks():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_block_mode_regions_are_the_repeated_blocks(mode):
     gm = capture(Plain(False), (torch.randn(2, 4, 8),)).gm
-    assert list(regions_of(gm, "full")) == ["layers.0", "layers.1"]
+    assert list(regions_of(gm, mode)) == ["layers.0", "layers.1"]
 
 
 def test_unknown_mode_is_refused_before_anything_runs():
