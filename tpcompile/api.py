@@ -22,6 +22,7 @@ from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
+from tpcompile.passes.rewrite.checkpoint_regions import MODES, checkpointed_graph
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
@@ -84,7 +85,8 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
                 vocab_parallel: bool = False, loss_parallel: bool = False,
                 sequence_parallel: bool = False, check_calls: str = "new",
-                reuse_blocks: bool = False) -> TPModule:
+                reuse_blocks: bool = False, activation_checkpointing: str | None = None
+                ) -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
@@ -109,6 +111,12 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         reuse_blocks: capture three of the model's identical blocks with torch.export and
             repeat one's graph for the others: the same graph and plan, in a planning time
             that hardly grows with depth (falls back to a whole capture when blocks differ).
+        activation_checkpointing: None keeps the model's own ``torch.utils.checkpoint``
+            regions (and Hugging Face's ``gradient_checkpointing_enable()``) checkpointed, on
+            the shards; ``"full"`` checkpoints each repeated block (``layers.0``, ...) of a
+            model that does not; ``"selective"`` too, but saves the outputs of its matmuls,
+            attentions and collectives and recomputes the rest. A region that cannot be
+            kept is named in a warning.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -117,6 +125,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         written in place) gets it sharded, and a one-token decode call its own capture; a
         Hugging Face causal LM gets ``tp.generate`` (see docs/generation.md).
     """
+    if activation_checkpointing not in MODES:
+        raise ValueError(f"activation_checkpointing must be one of {MODES}, got "
+                         f"{activation_checkpointing!r}")
     group, rank, world_size = resolve_group(mesh)
     check_mode(check_calls)  # before planning, which takes a while
     warn_if_unbounded(group)
@@ -128,7 +139,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                                 reuse_blocks=reuse_blocks)
         gm, _ = pipeline.rewrite(planned, rank, group.group_name)
         entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
+    kept = _checkpoint_regions(gm, activation_checkpointing)
     tp = TPModule(gm, planned.plan, rank, group, check_calls)
+    tp.checkpointed_regions = kept  # the names of the regions recomputed in backward
     if written_buffers(gm) or callable(getattr(model, "generate", None)):
         # a static KV cache (prefill and decode calls are two captures), or a Hugging Face
         # model whose generate() captures a static-cache wrapper around it
@@ -142,6 +155,21 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             if written_buffers(gm):  # other call signatures (decode steps) are captured anew
                 tp.capture_signature = tp.skeleton_capture
     return tp
+
+
+def _checkpoint_regions(gm, mode: str | None) -> list[str]:
+    """Run the graph's checkpointed regions through torch.utils.checkpoint (returns their
+    names); warn for each region that stays inline (its activations are saved), and when
+    "full" or "selective" finds no repeated block."""
+    kept, dropped = checkpointed_graph(gm, mode)
+    for name, reason in dropped:
+        warnings.warn(f"tpcompile: {name} is not checkpointed in the parallelized model: "
+                      f"{reason}; its activations are saved for backward", stacklevel=3)
+    if mode is not None and not kept and not dropped:
+        warnings.warn(f"tpcompile: activation_checkpointing={mode!r} found no repeated blocks "
+                      "(children of a ModuleList) to checkpoint; nothing is recomputed",
+                      stacklevel=3)
+    return kept
 
 
 class SignatureCapture:

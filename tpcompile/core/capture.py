@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from tpcompile.compat import stack_traces as recorded_stack_traces
 from tpcompile.core.canonical_order import canonical_order
+from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
 from tpcompile.core.capture_checks import (
     custom_function_calls, forward_state_guard, refuse_custom_functions,
 )
@@ -167,11 +168,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: 
         shapes = {name: _auto(value, static)
                   for name, value in _named_inputs(model, args, kwargs).items()}
     with (warnings.catch_warnings(), _export_logs_quiet(),
-          recorded_stack_traces(stack_traces) as settle):
+          recorded_stack_traces(stack_traces) as settle, checkpoint_marks(model) as regions):
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
                                  strict=False)
     settle(ep.graph_module)
+    if regions:  # the model checkpoints regions: kept as regions (tpcompile.core.checkpoint_marks)
+        stamp_regions(ep.graph_module)
     return ep
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import operator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
+from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
 from tpcompile.inspect.explain_html import page
@@ -67,6 +68,8 @@ class Report:
     megatron: list           # [LayerTraffic]
     dtensor_plan: dict       # module -> "colwise" | "rowwise"
     not_expressible: dict    # module -> why parallelize_module cannot do what tpcompile does
+    # activation checkpointing: {"kept": [region], "dropped": [{"region", "reason"}]}
+    checkpointing: dict = field(default_factory=lambda: {"kept": [], "dropped": []})
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         """Per phase, per op: the same shape of data as ``count_collectives``."""
@@ -173,10 +176,17 @@ def _located(trace: RewriteTrace, reasons: dict[str, str]) -> list[dict]:
     return out
 
 
+def _checkpointing(trace: RewriteTrace, mode: str | None) -> dict:
+    """The checkpointed regions ``parallelize`` keeps, and those it warns about."""
+    kept, dropped = outlinable_regions(trace.gm, mode)
+    return {"kept": [r.name for r in kept],
+            "dropped": [{"region": name, "reason": why} for name, why in dropped]}
+
+
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
             progress: Callable[[str], None] | None = None, dynamic: bool = True,
             example_kwargs: dict | None = None, html: bool = False, reuse_blocks: bool = False,
-            **options):
+            activation_checkpointing: str | None = None, **options):
     """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
 
     Needs no process group and no GPU; build the model under ``torch.device("meta")`` to plan
@@ -190,6 +200,8 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     :mod:`tpcompile.inspect.explain_html`).
     ``reuse_blocks=True`` exports three of a model's identical blocks and repeats one for the
     rest: the same report, in a time that hardly grows with depth (docs/scaling.md).
+    ``activation_checkpointing`` is ``parallelize``'s: the report lists the regions recomputed
+    in backward and those that stay inline, with the reason.
     """
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
                           progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
@@ -208,5 +220,6 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         fallbacks=_located(trace, trace.plan.fallbacks),
         kept_replicated=_located(trace, trace.plan.replicated),
         megatron=megatron_comparison(trace, collectives),
-        dtensor_plan=styles, not_expressible=missing)
+        dtensor_plan=styles, not_expressible=missing,
+        checkpointing=_checkpointing(trace, activation_checkpointing))
     return page(report, block_view(report, trace)) if html else report

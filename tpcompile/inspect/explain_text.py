@@ -82,6 +82,16 @@ def _located(title: str, items: list[dict]) -> list[str]:
     return lines
 
 
+def _checkpointing(regions: dict) -> list[str]:
+    """Regions recomputed in backward, and those kept inline (their activations saved)."""
+    if not regions["kept"] and not regions["dropped"]:
+        return []  # no section: the model checkpoints nothing
+    lines = [f"activation checkpointing: {len(regions['kept'])} region(s) recomputed in "
+             "backward"]
+    lines += [f"  not checkpointed: {d['region']}: {d['reason']}" for d in regions["dropped"]]
+    return lines
+
+
 def _megatron(r) -> list[str]:
     lines = ["Megatron lower bound: 1 all-reduce forward + 1 backward per column -> row chain "
              "(2 + 2 per transformer layer)"]
@@ -130,6 +140,6 @@ def render(r) -> str:
         _params(r), _collectives(r), _param_bytes(r),
         _located("fallbacks (gathered before an op without a sharding rule)", r.fallbacks),
         _located("kept replicated", r.kept_replicated),
-        _megatron(r), _dtensor(r),
+        _megatron(r), _dtensor(r), _checkpointing(r.checkpointing),
     ]
-    return "\n\n".join("\n".join(s) for s in sections)
+    return "\n\n".join("\n".join(s) for s in sections if s)

@@ -1,0 +1,107 @@
+"""Activation checkpointing kept on the shards, on real gloo ranks (bodies in
+``checkpoint_workers.py``).
+
+Models that checkpoint their blocks themselves (``use_reentrant`` False and True, Hugging
+Face's ``gradient_checkpointing_enable``) and models parallelized with
+``activation_checkpointing="full"`` or ``"selective"``: outputs and every gradient equal the
+unsharded model's (float32, 1e-5 relative), every block is a checkpointed region, no
+warning, and the bytes autograd saves for backward per rank are what checkpointing leaves
+(the blocks' inputs, which every rank holds whole) rather than every activation of the blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support import LaunchedOnDemand, cases
+from tpcompile.tools.launch import run_on_ranks
+
+pytestmark = pytest.mark.dist
+
+BODIES = str(Path(__file__).parent / "checkpoint_workers.py")
+EAGER = ["llama", "llama_reentrant", "llama_full", "llama_selective", "mlp", "mlp_full",
+         "mlp_selective", "mlp_plain", "hf"]
+AT_4 = ["mlp", "mlp_full", "mlp_plain"]  # the 4-rank case CI runs; the rest are slow
+REGIONS = {"llama": 2, "llama_reentrant": 2, "llama_full": 2, "llama_selective": 2, "mlp": 4,
+           "mlp_full": 4, "mlp_selective": 4, "mlp_plain": 0, "hf": 2}
+
+
+def _launch(world_size: int, names: list[str]) -> list:
+    return run_on_ranks(f"{BODIES}:checkpointed", world_size, names, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return LaunchedOnDemand(lambda key: _launch(key[0], list(key[1])))
+
+
+def _cases(results, ws: int, name: str) -> list:
+    """Every rank's result of ``name``: CI's 4-rank cases run in a launch of their own."""
+    names = AT_4 if ws == 4 and name in AT_4 else EAGER
+    return cases({ws: results[(ws, tuple(names))]}, ws, name)
+
+
+def _params(names):
+    out = [pytest.param(2, n, id=f"2-{n}") for n in names]
+    out += [pytest.param(4, n, id=f"4-{n}",
+                         marks=[pytest.mark.slow] if n not in AT_4 else []) for n in names]
+    return out
+
+
+@pytest.mark.parametrize("ws,name", _params(EAGER))
+def test_outputs_gradients_and_regions(results, ws, name):
+    for c in _cases(results, ws, name):
+        assert c["output_err"] <= 1e-5
+        worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert len(c["regions"]) == REGIONS[name], c["regions"]
+        assert c["warnings"] == []
+
+
+@pytest.mark.parametrize("ws,name", _params(["mlp", "mlp_full"]))
+def test_saved_activations_are_the_checkpointed_models(results, ws, name):
+    """Per rank <= 1.1 x (the unsharded checkpointed model's) / N + the blocks' inputs every
+    rank keeps whole; and well under what the same ranks save without checkpointing."""
+    unsharded_ckpt = _cases(results, ws, "mlp")[0]["saved_unsharded"]
+    without = _cases(results, ws, "mlp_plain")[0]["saved"]
+    for c in _cases(results, ws, name):
+        assert c["saved"] <= 1.1 * unsharded_ckpt / ws + c["block_inputs"], c["saved"]
+        assert c["saved"] * 3 < without, (c["saved"], without)
+
+
+def test_recomputation_in_backward(results):
+    """Full checkpointing recomputes each block's first matmul in backward (its second's output
+    is not needed, so the recomputation stops before it, and before the all-reduce);
+    "selective" reads every matmul's output back; the collectives are those without
+    checkpointing either way."""
+    ops = {name: _cases(results, 2, name)[0]["backward_ops"]
+           for name in ("mlp", "mlp_full", "mlp_selective", "mlp_plain")}
+    layers = REGIONS["mlp"]
+    assert ops["mlp"]["mm"] == ops["mlp_full"]["mm"] == ops["mlp_plain"]["mm"] + layers
+    assert ops["mlp_selective"] == ops["mlp_plain"]
+    assert all(o["collectives"] == ops["mlp_plain"]["collectives"] for o in ops.values())
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_reentrant", "llama_full", "hf"])
+def test_saved_activations_no_more_than_unsharded_checkpointed(results, name):
+    """Models with replicated parts outside the blocks (embedding, head): each rank saves no
+    more than the unsharded model with the same checkpointing."""
+    reference = "llama" if name == "llama_full" else name
+    unsharded_ckpt = _cases(results, 2, reference)[0]["saved_unsharded"]
+    for c in _cases(results, 2, name):
+        assert c["saved"] <= 1.1 * unsharded_ckpt, (c["saved"], unsharded_ckpt)
+
+
+@pytest.mark.compile
+def test_compiled_checkpointed_llama():
+    """torch.compile(fullgraph=True) of a parallelized model that checkpoints its layers."""
+    per_rank = _launch(2, ["llama:compiled"])
+    for r in per_rank:
+        c = r["llama:compiled"]
+        assert "error" not in c, c.get("error")
+        assert c["output_err"] <= 1e-5
+        assert max(c["grad_errs"].values()) <= 1e-5
+        assert len(c["regions"]) == 2 and c["warnings"] == []
+        assert c["saved"] <= 1.1 * c["saved_unsharded"]  # the eager unsharded, checkpointed
