@@ -65,7 +65,7 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
     constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
-    needs_grad = values_with_grad(gm, cap.params)
+    needs_grad = values_with_grad(gm, cap.trainable)
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)
         fresh = [d for d in state.demands if d not in constraints.demands]
@@ -496,7 +496,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         p = state.placements[node]
         style = _style(node, state)
         overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
-        grad_sync = node.target in cap.params and (node.name in syncs or overlapping)
+        grad_sync = node.target in cap.trainable and (node.name in syncs or overlapping)
         if style == "replicate" and isinstance(p, Shard):
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
