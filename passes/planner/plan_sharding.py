@@ -91,9 +91,14 @@ def plan_sharding(cap: Capture, world_size: int, options: PlanOptions = PlanOpti
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
         dead.update((r, why) for r, why in whole_grads_into_chunks(gm, state, needs_grad).items()
                     if r not in dead)
-        dead.update((r, why) for r, why in partials_joining_shards(state).items() if r not in dead)
         if dead:
             constraints.killed.update(dead)
+            continue
+        # judged once every region stands: a shard joined in a region that is about to be
+        # killed is no reason to keep a side chain whole
+        joins = partials_joining_shards(state)
+        if joins:
+            constraints.killed.update(joins)
             continue
         # regions are judged on the reductions their code pays; the ones that stand then
         # reduce each partial sum once rather than in pieces

@@ -35,7 +35,7 @@ def test_frozen_hf_llama_is_planned_like_the_trainable_one(ws):
     frozen = _report(model.requires_grad_(False), inputs, kwargs, ws)
     for name, p in trainable.params.items():
         q = frozen.params[name]
-        assert (q.style, q.local_shapes) == (p.style, p.local_shapes) and q.parameter, name
+        assert (q.style, q.local_shapes, q.parameter) == (p.style, p.local_shapes, p.parameter)
         assert not q.trainable and not q.grad_sync, name
     assert _collectives(frozen, "forward") == _collectives(trainable, "forward")
     assert frozen.param_bytes_per_rank == trainable.param_bytes_per_rank
