@@ -50,10 +50,10 @@ class Capture:
     # get_attr targets that are floating-point parameters, trainable or frozen: the weights
     # the planner may shard (the rest are buffers / constants, kept whole)
     params: frozenset[str]
+    # the subset of ``params`` that requires grad: only these start gradients and get synced
+    trainable: frozenset[str]
     input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     notes: tuple[str, ...] = ()  # what capture changed about the call (shown by the plan)
-    # the subset of ``params`` that requires grad: only these start gradients and get synced
-    trainable: frozenset[str] = frozenset()
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -214,7 +214,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     aliases, params, trainable = attribute_info(gm, model)
     specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor))
-    return _noted(Capture(gm, aliases, params, specs, trainable=trainable), *notes)
+    return _noted(Capture(gm, aliases, params, trainable, specs), *notes)
 
 
 def attribute_info(gm: fx.GraphModule, model: nn.Module):
