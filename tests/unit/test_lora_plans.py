@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 
 import lora_models
 from tpcompile.inspect.explain import explain
@@ -29,10 +30,13 @@ def _collectives(report, phase: str) -> collections.Counter:
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_frozen_hf_llama_is_planned_like_the_trainable_one(ws):
+    """Frozen and planned under ``torch.no_grad`` (as an inference script would): the same
+    styles, shards, forward collectives and bytes; no gradient sync."""
     model = lora_models.hf_llama()
     inputs, kwargs = lora_models.hf_inputs(model)
     trainable = _report(model, inputs, kwargs, ws)
-    frozen = _report(model.requires_grad_(False), inputs, kwargs, ws)
+    with torch.no_grad():
+        frozen = _report(model.requires_grad_(False), inputs, kwargs, ws)
     for name, p in trainable.params.items():
         q = frozen.params[name]
         assert (q.style, q.local_shapes, q.parameter) == (p.style, p.local_shapes, p.parameter)
