@@ -11,7 +11,10 @@
    region that never does, or that leaks sharded data into ops needing whole rows (a norm over
    features, a gathered graph output), is killed: its roots stay replicated, propagation reruns.
    An in-place write (slice assignment) into sharded data that would land on a copy keeps
-   that data's roots replicated too (see :mod:`tpcompile.passes.planner.mutations`).
+   that data's roots replicated too (see :mod:`tpcompile.passes.planner.mutations`). So does
+   a partial sum reduced only to join another region's shards (a LoRA adapter's ``A -> B``
+   beside a column-parallel base): kept whole, its row-parallel matmul goes column-parallel
+   cut like those shards (:mod:`tpcompile.passes.planner.joins`).
 3. *Tied tables*: a weight sharded by a column-parallel LM head that an embedding also reads
    makes that embedding vocabulary-parallel too, so the table is sharded once. *Early
    reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
@@ -47,6 +50,7 @@ from tpcompile.passes.planner.rules import (
 from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks,
 )
+from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
     SEQUENCE, Constraints, Propagation, _same, carrier_chain, local_slice, propagate, view_chain,
@@ -70,7 +74,7 @@ def plan_sharding(cap: Capture, world_size: int,
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
     constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options))
-    needs_grad = values_with_grad(gm, cap.params)
+    needs_grad = values_with_grad(gm, cap.trainable)
     no_rule: dict[fx.Node, str] = {}
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)
@@ -96,6 +100,12 @@ def plan_sharding(cap: Capture, world_size: int,
                     if r not in dead)
         if dead:
             constraints.killed.update(dead)
+            continue
+        # judged once every region stands: a shard joined in a region that is about to be
+        # killed is no reason to keep a side chain whole
+        joins = partials_joining_shards(state)
+        if joins:
+            constraints.killed.update(joins)
             continue
         # regions are judged on the reductions their code pays; the ones that stand then
         # reduce each partial sum once rather than in pieces
@@ -189,7 +199,7 @@ def _reductions_by_root(state: Propagation) -> dict[str, tuple[set, set, set]]:
             continue
         kind = 0 if _statistic(state, value) else (
             2 if isinstance(dst, Shard) and dst.layout.root != SEQUENCE else 1)
-        for root in _roots_behind(state, value, set()):
+        for root in roots_behind(state, value, set()):
             out.setdefault(root, (set(), set(), set()))[kind].add(value.name)
     return out
 
@@ -244,7 +254,7 @@ def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: 
         value = c.edge[0]
         readers = _sharded_readers(state, [nodes[u] for u in syncs().get(value.name, ())])
         for node in [value] + c.chain + readers:
-            for root in _roots_behind(state, node, set()):
+            for root in roots_behind(state, node, set()):
                 out.setdefault(root, f"{c.op.name} ({c.op.target}) writes into its sharded data "
                                      "in place; sharded, the write would land on a copy")
     return out
@@ -291,19 +301,6 @@ def _cache_cuts(state: Propagation, params) -> dict[str, Shard]:
             if placements is not None:
                 out[node.name] = placements[0]
     return out
-
-
-def _roots_behind(state: Propagation, node: fx.Node, seen: set) -> set[str]:
-    """The roots a value's distributed placement comes from (a partial sum: its inputs')."""
-    if node in seen:
-        return set()
-    seen.add(node)
-    p = state.placements.get(node)
-    if isinstance(p, Shard):
-        return {p.layout.root}
-    if isinstance(p, (Partial, list, tuple)):
-        return set().union(*(_roots_behind(state, a, seen) for a in node.all_input_nodes))
-    return set()
 
 
 def _mixed_partials(state: Propagation) -> set[str]:
@@ -474,7 +471,8 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
     return tuple(s)
 
 
-def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: int) -> str:
+def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str], cap: Capture,
+                       ws: int) -> str:
     users = list(node.users)
     if node.target not in cap.params:
         return "buffer"
@@ -485,6 +483,10 @@ def _replicated_reason(node: fx.Node, killed: dict[str, str], cap: Capture, ws: 
     user = users[0] if users else None
     if user is not None and user.target in OUT_FEATURES_FIRST and shape(node)[0] < ws:
         return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
+    partial = user is not None and isinstance(state.placements.get(user), Partial)
+    if partial and user.target in PARAM_MATMULS:
+        return (f"{user.name} reads a partial sum: each rank applies the whole weight to its "
+                "part, before the one all-reduce")
     if user is not None and user.target in PARAM_MATMULS:
         return "its matmul's input is not sharded on a dim it can split"
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
@@ -503,12 +505,12 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         p = state.placements[node]
         style = _style(node, state)
         overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
-        grad_sync = node.target in cap.params and (node.name in syncs or overlapping)
+        grad_sync = node.target in cap.trainable and (node.name in syncs or overlapping)
         if style == "replicate" and isinstance(p, Shard):
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
         elif style == "replicate":
-            reason = _replicated_reason(node, constraints.killed, cap, ws)
+            reason = _replicated_reason(node, state, constraints.killed, cap, ws)
         else:
             user = next(iter(node.users))
             reason = f"{style} in {user.name}" + (

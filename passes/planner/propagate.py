@@ -6,12 +6,12 @@ the conversions (gathers, all-reduces, local slices) consumers need. The planner
 (:mod:`tpcompile.passes.planner.plan_sharding`) calls it repeatedly while it refines those inputs.
 
 Column parallelism is decided here, locally: a matmul whose activation is replicated and whose
-weight is a trainable parameter, or a view of one, shards the weight's label that only it and
-the output carry (a new *root*, named by the parameter); a matmul whose activation arrives
-sharded on the contracted dim shards its weight's input features to match (row parallel) and
-produces a Partial sum. Chains therefore
-alternate column -> row exactly as Megatron's do, whatever the modules are called. The
-planner's accumulated decisions arrive as :class:`Constraints`.
+weight is a parameter (trainable or frozen), or a view of one, shards the weight's label that
+only it and the output carry (a new *root*, named by the parameter); a matmul whose activation
+arrives sharded on the contracted dim shards its weight's input features to match (row
+parallel) and produces a Partial sum. Chains therefore alternate column -> row exactly as
+Megatron's do, whatever the modules are called. The planner's accumulated decisions arrive
+as :class:`Constraints`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut fr
 class Constraints:
     """What the planner has learnt so far; each propagation round reads it."""
 
-    params: frozenset[str]                                  # trainable parameter targets
+    params: frozenset[str]                                  # parameter targets, frozen too
     options: PlanOptions = PlanOptions()
     killed: dict[str, str] = field(default_factory=dict)    # root -> why it stays whole
     demands: list[Demand] = field(default_factory=list)

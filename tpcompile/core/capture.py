@@ -50,8 +50,11 @@ class Capture:
     gm: fx.GraphModule
     # get_attr target -> every FQN of the model that names the same tensor (tied weights)
     aliases: dict[str, tuple[str, ...]]
-    # get_attr targets that are trainable parameters (the rest are buffers / constants)
+    # get_attr targets that are floating-point parameters, trainable or frozen: the weights
+    # the planner may shard (the rest are buffers / constants, kept whole)
     params: frozenset[str]
+    # the subset of ``params`` that requires grad: only these start gradients and get synced
+    trainable: frozenset[str]
     input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     notes: tuple[str, ...] = ()  # what capture changed about the call (shown by the plan)
 
@@ -229,25 +232,31 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             "make forward traceable (no data-dependent Python control flow, tensors in and out)"
         ) from e
     gm = canonical_order(ep.module())
-    aliases, params = attribute_info(gm, model)
+    aliases, params, trainable = attribute_info(gm, model)
     specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor))
-    return _noted(Capture(gm, aliases, params, specs), *notes)
+    return _noted(Capture(gm, aliases, params, trainable, specs), *notes)
 
 
 def attribute_info(gm: fx.GraphModule, model: nn.Module):
-    """(get_attr target -> the model's FQNs of that tensor, trainable parameter targets)."""
+    """(get_attr target -> the model's FQNs of that tensor, weight targets, trainable ones).
+
+    A weight is a floating-point ``nn.Parameter`` whether or not it requires grad: a frozen
+    base model (LoRA, ``requires_grad_(False)`` for inference) is planned like a trainable
+    one. Only the trainable ones start gradients."""
     aliases_by_id = param_aliases(model)
-    aliases, params = {}, set()
+    aliases, params, trainable = {}, set(), set()
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
         t = _fetch(gm, node.target)
         if isinstance(t, torch.Tensor):
             aliases[node.target] = aliases_by_id.get(id(t), (node.target,))
-            if isinstance(t, nn.Parameter) and t.requires_grad:
+            if isinstance(t, nn.Parameter) and (t.is_floating_point() or t.is_complex()):
                 params.add(node.target)
-    return aliases, frozenset(params)
+                if t.requires_grad:
+                    trainable.add(node.target)
+    return aliases, frozenset(params), frozenset(trainable)
 
 
 def _noted(cap: Capture, *notes: str) -> Capture:

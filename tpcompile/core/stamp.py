@@ -262,5 +262,5 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
     gm = _module(model, short, stamper.graph())
     gm.graph.lint()  # GraphModule() has generated its code
     gm.meta[REUSED] = (path, len(blocks))  # not a note: the plan must equal a whole capture's
-    aliases, params = attribute_info(gm, model)
-    return replace(short, gm=gm, aliases=aliases, params=params)
+    aliases, params, trainable = attribute_info(gm, model)
+    return replace(short, gm=gm, aliases=aliases, params=params, trainable=trainable)

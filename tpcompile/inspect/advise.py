@@ -127,8 +127,9 @@ def _share(node: fx.Node, user: fx.Node, trace: RewriteTrace) -> float:
 
 
 def _weights(trace: RewriteTrace) -> tuple[int, int, int, int]:
-    """(parameter bytes, buffer bytes, parameter elements, 16-bit parameter elements) on the
-    rank holding the most parameter bytes (uneven shards differ); tied tensors once."""
+    """(trainable parameter bytes, frozen parameter and buffer bytes, trainable elements,
+    16-bit trainable elements) on the rank holding the most trainable bytes (uneven shards
+    differ); tied tensors once. Frozen weights are held but get no gradient or optimizer state."""
     plan, dtypes, cap = trace.plan, attr_dtypes(trace), trace.cap
     per_rank = [[0, 0, 0, 0] for _ in range(plan.world_size)]
     seen = set()
@@ -136,7 +137,7 @@ def _weights(trace: RewriteTrace) -> tuple[int, int, int, int]:
         if p.aliases in seen:
             continue
         seen.add(p.aliases)
-        trainable, size = name in cap.params, dtypes[name].itemsize
+        trainable, size = name in cap.trainable, dtypes[name].itemsize
         for r, shape in enumerate(p.local_shapes):
             n = math.prod(shape)
             row = per_rank[r]

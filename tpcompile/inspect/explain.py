@@ -45,7 +45,8 @@ class ParamEntry:
     local_shape: list        # on the report's rank
     local_shapes: list       # on every rank (uneven shards differ)
     dtype: str
-    trainable: bool          # False for buffers
+    parameter: bool          # a parameter, trainable or frozen (False for buffers)
+    trainable: bool          # a parameter that requires grad
     grad_sync: bool          # its gradient is all-reduced (replicated inside a sharded region)
     chain: str               # the column -> row chain it belongs to; '' if none
     reason: str              # the planner's reason for the style
@@ -62,7 +63,7 @@ class Report:
     chains: dict             # name -> {"layer", "colwise", "rowwise", "replicated_blocks", "summary"}
     collectives: list        # [CollectiveEntry], graph order, forward and backward
     param_bytes_per_rank: list
-    param_bytes_total: int   # the unsharded model's trainable parameters
+    param_bytes_total: int   # the unsharded model's parameters, trainable or frozen
     fallbacks: list          # [{"node", "module", "reason"}]: gathered before an op without a rule
     kept_replicated: list    # [{"node", "module", "reason"}]: matmuls the planner did not shard
     megatron: list           # [LayerTraffic]
@@ -134,7 +135,8 @@ def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
             style=p.style, dim=p.placement.dim if sharded else None,
             global_shape=list(p.global_shape), local_shape=list(p.local_shapes[rank]),
             local_shapes=[list(s) for s in p.local_shapes], dtype=dtype_name(dtypes[name]),
-            trainable=name in trace.cap.params, grad_sync=p.grad_sync,
+            parameter=name in trace.cap.params, trainable=name in trace.cap.trainable,
+            grad_sync=p.grad_sync,
             chain=trace.chain_of.get(_node_name(trace, name), ""), reason=p.reason,
             aliases=list(p.aliases))
     return out
@@ -147,7 +149,7 @@ def _node_name(trace: RewriteTrace, target: str) -> str:
 
 
 def param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
-    """Per-rank and unsharded bytes of the trainable parameters, each tensor counted once."""
+    """Per-rank and unsharded bytes of the parameters (trainable or frozen), each tensor once."""
     seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
     dtypes = attr_dtypes(trace)
     for name, p in trace.plan.params.items():

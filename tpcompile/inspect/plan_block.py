@@ -83,7 +83,7 @@ def _sources(trace: RewriteTrace) -> dict[str, str]:
 
 def _boxes(report, names: list[str], prefix: str, sources: dict[str, str]) -> list[Box]:
     """One box per weight of ``names``; a bias joins its module's weight when there is one."""
-    names = {n for n in names if report.params[n].trainable}
+    names = {n for n in names if report.params[n].parameter}
     boxes = []
     for name in sorted(names):
         p = report.params[name]

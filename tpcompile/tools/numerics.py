@@ -54,6 +54,10 @@ class Comparison:
     grad_errs: dict[str, float]
     step_errs: dict[str, float] = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
+    # after ``steps``: the sharded module's gathered state and the trained reference copy, for
+    # checks of weights derived from several tensors (LoRA's merged base + B @ A * scale)
+    full_state: dict = field(default_factory=dict)
+    reference: nn.Module | None = None
 
     @property
     def max_grad_err(self) -> float:
@@ -87,7 +91,7 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
     missing = set(ref_grads) - set(grads)
     if missing:
         raise AssertionError(f"parameters with a reference gradient but none sharded: {sorted(missing)}")
-    step_errs = {}
+    step_errs, full = {}, {}
     if steps:
         live = {n: g.abs() > 1e-6 * g.abs().max() for n, g in ref_grads.items()}
         opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (ref, tp)]
@@ -101,7 +105,7 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
         full = tp.full_state_dict()
         step_errs = {n: rel_err(full[n][live[n]], t[live[n]]) if n in live else rel_err(full[n], t)
                      for n, t in ref.state_dict().items() if t.is_floating_point()}
-    return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module))
+    return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module), full, ref)
 
 
 def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
