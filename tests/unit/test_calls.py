@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcompile.runtime.calls import CallCheck, _digest, _message, describe
+from tpcompile.runtime.calls import CallCheck, _digest, _message, describe, values_digest
 
 
 def test_a_call_is_described_by_dtypes_shapes_other_arguments_and_grad_mode():
@@ -22,16 +22,29 @@ def test_a_call_is_described_by_dtypes_shapes_other_arguments_and_grad_mode():
 
 
 def test_the_mismatch_message_groups_ranks_that_agree():
-    m = _message([("(int64[2, 16]), grad", None)] * 3 + [("(int64[2, 24]), grad", None)])
+    m = _message([("(int64[2, 16]), grad", None, "1/2")] * 3
+                 + [("(int64[2, 24]), grad", None, "3/4")])
     assert m.startswith("ranks called the module with different inputs (dtypes and shapes, "
                         "grad mode):\n  ranks [0, 1, 2]: (int64[2, 16]), grad\n"
                         "  rank 3: (int64[2, 24]), grad\n  hint: every rank")
 
 
 def test_a_refusal_is_named_before_any_difference():
-    m = _message([("a", None), ("b", "InputError: input tokens: token id 9 is out of range")])
+    m = _message([("a", None, "1/2"),
+                  ("b", "InputError: input tokens: token id 9 is out of range", "")])
     assert m == ("rank 1 refused its inputs (InputError: input tokens: token id 9 is out of "
                  "range); every rank stops here instead of issuing the model's collectives")
+
+
+def test_same_shapes_with_other_values_name_the_ranks_by_their_digests():
+    ids = torch.arange(32).reshape(2, 16)
+    mine, other = values_digest((ids,), {}), values_digest((ids.flip(-1),), {})
+    assert mine == values_digest((ids.clone(),), {}) and mine != other  # order counts too
+    m = _message([("(int64[2, 16]), grad", None, mine)] * 2
+                 + [("(int64[2, 16]), grad", None, other)])
+    assert m.startswith("ranks called the module with the same shapes ((int64[2, 16]), grad) "
+                        f"but different values (per input tensor: sum / position-weighted sum):"
+                        f"\n  ranks [0, 1]: {mine}\n  rank 2: {other}\n  hint: every rank"), m
 
 
 def test_an_unknown_mode_is_refused():
