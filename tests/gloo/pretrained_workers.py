@@ -17,7 +17,7 @@ from generation_workers import _prompt, hf_causal_lm  # noqa: E402
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
-def _report(tp, model, ids, mask) -> dict:
+def _report(tp, ids, mask) -> dict:
     """Greedy tokens, where every tensor lives, and the shapes of two sharded weights."""
     tokens = tp.generate(ids, attention_mask=mask, **GREEDY).tolist()
     tensors = list(tp.parameters()) + list(tp.buffers())
@@ -25,8 +25,7 @@ def _report(tp, model, ids, mask) -> dict:
     return {
         "tokens": tokens,
         "devices": sorted({t.device.type for t in tensors + list(inner.buffers())}),
-        "inv_freq": torch.equal(tp.get_buffer("model.rotary_emb.inv_freq"),
-                                model.get_buffer("model.rotary_emb.inv_freq")),
+        "inv_freq": tp.get_buffer("model.rotary_emb.inv_freq").tolist(),
         "q_proj": tuple(tp.get_parameter("model.layers.0.self_attn.q_proj.weight").shape),
         "down_proj": tuple(tp.get_parameter("model.layers.1.mlp.down_proj.weight").shape),
     }
@@ -43,14 +42,19 @@ def _meta_recipe(directory: str, ids, mask):
     return tp
 
 
-def from_checkpoint(rank: int, world_size: int, directory: str, paths: list) -> dict:
-    """Each of ``paths`` ("from_pretrained", "recipe") against the unsharded model the
-    directory was saved from (rebuilt here with the same seed)."""
+def save_unsharded(directory: str) -> tuple[list, list]:
+    """Save the tiny Llama in ``directory`` (safetensors shards of at most 100 KB); return its
+    own greedy tokens and RoPE table, which the ranks must reproduce from the directory."""
     model = hf_causal_lm("llama").eval()
+    model.save_pretrained(directory, max_shard_size="100KB")
+    ids, mask = _prompt()
+    return (model.generate(ids, attention_mask=mask, **GREEDY).tolist(),
+            model.get_buffer("model.rotary_emb.inv_freq").tolist())
+
+
+def from_checkpoint(rank: int, world_size: int, directory: str, paths: list) -> dict:
+    """Each of ``paths`` ("from_pretrained", "recipe") built from ``directory``: its report."""
     ids, mask = _prompt()
     build = {"from_pretrained": lambda: tpcompile.from_pretrained(directory),
              "recipe": lambda: _meta_recipe(directory, ids, mask)}
-    out = {"want": model.generate(ids, attention_mask=mask, **GREEDY).tolist()}
-    for path in paths:
-        out[path] = _report(build[path](), model, ids, mask)
-    return out
+    return {path: _report(build[path](), ids, mask) for path in paths}

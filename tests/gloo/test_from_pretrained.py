@@ -25,29 +25,25 @@ WORKERS = str(Path(__file__).parent / "pretrained_workers.py")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    """The tiny Llama the workers compare with, saved in 2 or more safetensors shard files."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from generation_workers import hf_causal_lm
+def checkpoint(tmp_path_factory) -> tuple[str, list, list]:
+    """The tiny Llama saved in 2 or more safetensors files, its greedy tokens and RoPE table."""
+    from gloo.pretrained_workers import save_unsharded
 
     directory = tmp_path_factory.mktemp("llama")
-    hf_causal_lm("llama").save_pretrained(directory, max_shard_size="100KB")
+    want, inv_freq = save_unsharded(str(directory))
     assert len(list(directory.glob("*.safetensors"))) >= 2
-    return str(directory)
+    return str(directory), want, inv_freq
 
 
-def _check(per_rank: list, ws: int, paths: list) -> None:
+def _check(per_rank: list, ws: int, path: str, want: list, inv_freq: list) -> None:
     for r in per_rank:
-        for path in paths:
-            got = r[path]
-            assert got["tokens"] == r["want"], path
-            assert got["devices"] == ["cpu"], path
-            assert got["inv_freq"], path
-            # column- and row-parallel: this rank read its rows / columns only (hidden 64,
-            # intermediate 128)
-            assert got["q_proj"] == (64 // ws, 64) and got["down_proj"] == (64, 128 // ws), path
+        got = r[path]
+        assert got["tokens"] == want
+        assert got["devices"] == ["cpu"]
+        assert got["inv_freq"] == inv_freq
+        # column- and row-parallel: this rank read its rows / columns only (hidden 64,
+        # intermediate 128)
+        assert got["q_proj"] == (64 // ws, 64) and got["down_proj"] == (64, 128 // ws)
 
 
 @pytest.mark.parametrize("ws, path", [
@@ -56,4 +52,6 @@ def _check(per_rank: list, ws: int, paths: list) -> None:
     pytest.param(4, "from_pretrained", marks=pytest.mark.slow),  # 2 kv heads on 4 ranks
 ])
 def test_checkpoint_directory_generates_the_unsharded_tokens(checkpoint, ws, path):
-    _check(run_on_ranks(f"{WORKERS}:from_checkpoint", ws, checkpoint, [path]), ws, [path])
+    directory, want, inv_freq = checkpoint
+    _check(run_on_ranks(f"{WORKERS}:from_checkpoint", ws, directory, [path]), ws, path, want,
+           inv_freq)
