@@ -114,7 +114,8 @@ def to_empty(tp: TPModule, device="cpu", buffers: dict[str, torch.Tensor] | None
     :func:`buffers_of`). Those not given are recomputed from the model's config when ``tp``
     kept a meta copy of the model (Hugging Face causal LMs, models with a static KV cache;
     :mod:`tpcompile.state.config_buffers`); otherwise every one that is still meta must be
-    given, since nothing else can produce it. Persistent parameters and buffers are left for a loader or initialiser to fill.
+    given, since nothing else can produce it. Persistent parameters and buffers are left for
+    a loader or initialiser to fill.
     """
     device = torch.device(device)
     buffers = dict(buffers or {})
