@@ -21,7 +21,7 @@ __all__ = ["config_buffers"]
 
 
 def _ancestors(path: str) -> list[str]:
-    """``"a.b.c"`` -> ``["a.b.c", "a.b", "a", ""]``: a module path, then its parents, nearest first."""
+    """``"a.b.c"`` -> ``["a.b.c", "a.b", "a", ""]``: a module path and its parents, nearest first."""
     parts = path.split(".") if path else []
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
@@ -79,7 +79,7 @@ def _one(builds: _Builds, name: str, want: torch.Tensor) -> torch.Tensor:
         reasons.append(f"{type(builds.model.get_submodule(prefix)).__name__}(config) "
                        + ("does not compute it the same on two builds (random?)" if value is None
                           else f"gives it shape {tuple(value.shape)}, the model {tuple(want.shape)}"))
-        break  # a module that holds a config and was built: its parents would build the same
+        break  # built from its config: its parents would compute the same
     raise TPCompileError(
         f"non-persistent buffer {name} was built on the meta device and is in no state dict, "
         f"and it is not recomputable from the model's config ({'; '.join(reasons)})\n  hint: "
