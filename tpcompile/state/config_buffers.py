@@ -21,7 +21,7 @@ __all__ = ["config_buffers"]
 
 
 def _ancestors(path: str) -> list[str]:
-    """``"a.b.c"`` -> ``["a.b.c", "a.b", "a", ""]``: a module path and its parents, nearest first."""
+    """A module path and its parents, nearest first: ``"a.b"`` -> ``["a.b", "a", ""]``."""
     parts = path.split(".") if path else []
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
@@ -76,9 +76,10 @@ def _one(builds: _Builds, name: str, want: torch.Tensor) -> torch.Tensor:
         value = found.get(local)
         if value is not None and tuple(value.shape) == tuple(want.shape):
             return value
-        reasons.append(f"{type(builds.model.get_submodule(prefix)).__name__}(config) "
-                       + ("does not compute it the same on two builds (random?)" if value is None
-                          else f"gives it shape {tuple(value.shape)}, the model {tuple(want.shape)}"))
+        built = type(builds.model.get_submodule(prefix)).__name__
+        reasons.append(f"{built}(config) does not compute it the same on two builds (random?)"
+                       if value is None else f"{built}(config) gives it shape "
+                       f"{tuple(value.shape)}, the model {tuple(want.shape)}")
         break  # built from its config: its parents would compute the same
     raise TPCompileError(
         f"non-persistent buffer {name} was built on the meta device and is in no state dict, "
