@@ -15,6 +15,7 @@ from tpcompile.core.plan import ShardingPlan
 from tpcompile.inspect.explain import Report, explain
 from tpcompile.runtime.module import TPModule, gather_full
 from tpcompile.state.full_state import load_full_state_dict
+from tpcompile.state.pretrained import from_pretrained
 from tpcompile.runtime.vocab import sharded_cross_entropy
 from tpcompile.runtime.blocks import fully_shard_blocks, outline_blocks
 
@@ -25,7 +26,7 @@ __all__ = [
     "backend", "parallelized", "compile_options", "mark_dynamic",
     "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError", "PlanError", "InputError",
     "InputMismatchError", "CollectiveError",
-    "load_full_state_dict", "sharded_state_dict",
+    "load_full_state_dict", "sharded_state_dict", "from_pretrained",
     "to_empty", "init_shards", "buffers_of", "clip_grad_norm_", "grad_norm",
 ]
 __version__ = "0.1.0"

@@ -13,7 +13,8 @@ Three things a meta model lacks are handled here:
   were captured as ``device='meta'`` and are retargeted (``passes/rewrite/retarget_device.py``);
 * non-persistent buffers (RoPE tables, causal masks): they are in no state dict, so their
   values must come from the model code. :func:`buffers_of` re-runs the model's constructor with
-  its parameters on meta, which costs only the buffers' memory.
+  its parameters on meta, which costs only the buffers' memory; modules built from a config
+  (Hugging Face) are rebuilt from it without one (:mod:`tpcompile.state.config_buffers`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from tpcompile.errors import TPCompileError
+from tpcompile.state.config_buffers import config_buffers
 from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.module import TPModule
 from tpcompile.core.shards import placements_by_fqn, take_shard
@@ -109,14 +111,20 @@ def to_empty(tp: TPModule, device="cpu", buffers: dict[str, torch.Tensor] | None
     """Give a meta-built ``tp`` real (uninitialised) shards on ``device``, in place.
 
     ``buffers`` supplies the non-persistent buffers by FQN (full values, e.g. from
-    :func:`buffers_of`); every one that is still meta must be given, since nothing else can
-    produce it. Persistent parameters and buffers are left for a loader or initialiser to fill.
+    :func:`buffers_of`). Those not given are recomputed from the model's config when ``tp``
+    kept a meta copy of the model (Hugging Face causal LMs, models with a static KV cache;
+    :mod:`tpcompile.state.config_buffers`); otherwise every one that is still meta must be
+    given, since nothing else can produce it. Persistent parameters and buffers are left for
+    a loader or initialiser to fill.
     """
     device = torch.device(device)
     buffers = dict(buffers or {})
     needed = [n for n in _non_persistent(tp) if tp.get_buffer(n).device == META]
     missing = [n for n in needed if n not in buffers]
-    if missing:
+    skeleton = getattr(tp.skeleton_capture, "skeleton", None)  # kept for generate / decode
+    if missing and skeleton is not None:
+        buffers.update(config_buffers(skeleton, missing))
+    elif missing:
         raise TPCompileError(
             f"non-persistent buffers {missing} were built on the meta device and are in no state "
             "dict, so their values cannot be loaded; pass buffers=tpcompile.buffers_of(lambda: "

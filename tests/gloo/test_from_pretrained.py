@@ -1,0 +1,57 @@
+"""A ``save_pretrained`` checkpoint directory to tokens on gloo ranks, never whole on a rank.
+
+A tiny Llama (4 query / 2 kv heads, RoPE) is saved as sharded safetensors; each rank builds it
+on the meta device, parallelizes it, reads its slices and generates: greedy tokens equal the
+unsharded model's ``generate``, through ``tpcompile.from_pretrained`` and through the recipe it
+wraps, with the RoPE tables recomputed from the config (no ``buffers_of`` factory) and every
+tensor, the static cache's included, on CPU. CI: ``from_pretrained`` at 2 ranks; the recipe
+by hand at 2 ranks and ``from_pretrained`` at 4 (fewer kv heads than ranks) are
+``pytest -m slow``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tpcompile.tools.launch import run_on_ranks
+
+tf = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytestmark = pytest.mark.dist
+
+WORKERS = str(Path(__file__).parent / "pretrained_workers.py")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, list, list]:
+    """The tiny Llama saved in 2 or more safetensors files, its greedy tokens and RoPE table."""
+    from gloo.pretrained_workers import save_unsharded
+
+    directory = tmp_path_factory.mktemp("llama")
+    want, inv_freq = save_unsharded(str(directory))
+    assert len(list(directory.glob("*.safetensors"))) >= 2
+    return str(directory), want, inv_freq
+
+
+def _check(per_rank: list, ws: int, path: str, want: list, inv_freq: list) -> None:
+    for r in per_rank:
+        got = r[path]
+        assert got["tokens"] == want
+        assert got["devices"] == ["cpu"]
+        assert got["inv_freq"] == inv_freq
+        # column- and row-parallel: this rank read its rows / columns only (hidden 64,
+        # intermediate 128)
+        assert got["q_proj"] == (64 // ws, 64) and got["down_proj"] == (64, 128 // ws)
+
+
+@pytest.mark.parametrize("ws, path", [
+    (2, "from_pretrained"),
+    pytest.param(2, "recipe", marks=pytest.mark.slow),
+    pytest.param(4, "from_pretrained", marks=pytest.mark.slow),  # 2 kv heads on 4 ranks
+])
+def test_checkpoint_directory_generates_the_unsharded_tokens(checkpoint, ws, path):
+    directory, want, inv_freq = checkpoint
+    _check(run_on_ranks(f"{WORKERS}:from_checkpoint", ws, directory, [path]), ws, path, want,
+           inv_freq)
