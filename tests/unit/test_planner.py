@@ -183,7 +183,8 @@ class VectorNorms(nn.Module):
 def test_vector_norms_over_a_cut_dim_are_decomposed_there_alone():
     cap, plan = plan_model(VectorNorms(), (torch.randn(2, 5, 8),), 2)
     assert plan.styles() == {"up.weight": "colwise", "down.weight": "rowwise"}
-    assert not plan.fallbacks and len(all_reduces(plan)) == 2  # the statistic, the row output
+    # two values all-reduced: the statistic (read by the root and its zero test), the row output
+    assert not plan.fallbacks and len({c.value for c in all_reduces(plan)}) == 2
     targets = [n.target for n in cap.gm.graph.nodes]
     assert targets.count(torch.ops.aten.linalg_vector_norm.default) == 1  # per head: kept
     assert {n.meta.get("decomposed_from") for n in cap.gm.graph.nodes} >= {
@@ -197,3 +198,6 @@ def test_vector_norm_decomposition_is_the_norm(ord, dim, keepdim):
     norm = rule_for_target(torch.ops.aten.linalg_vector_norm.default).decomposition
     torch.testing.assert_close(norm(x, ord, dim, keepdim),
                                torch.linalg.vector_norm(x, ord, dim, keepdim))
+    x = torch.zeros(3, 4, requires_grad=True)  # a zero vector: gradient 0, not NaN
+    norm(x, ord, -1).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))

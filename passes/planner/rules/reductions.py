@@ -64,8 +64,9 @@ register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul
 register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
          aten.argmax.default)(_reduce(None))
 
+
 def _vector_norm(op):
-    """``linalg_vector_norm`` (``F.normalize``, ``torch.norm``): not linear, so a partial input
+    """``linalg_vector_norm`` (``F.normalize``, ``torch.linalg.vector_norm``): not linear, so a partial input
     is reduced first, and a shard of a dim it keeps passes (q / k unit-normalised per head,
     the heads cut). Over a sharded dim a finite ``ord`` > 0 is planned again through
     :func:`_norm_as_mean` (a per-token statistic, like an RMSNorm's); ``inf``, ``-inf`` and
@@ -83,14 +84,18 @@ def _vector_norm(op):
 def _norm_as_mean(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     """``linalg_vector_norm`` of a finite ``ord`` > 0 as ``(mean(|x|^ord) * count)^(1/ord)``:
     over a sharded dim the mean is each rank's term of a per-token statistic, all-reduced
-    before the root (``mean``'s rule), where the norm itself would gather the dim."""
+    before the root (``mean``'s rule), where the norm itself would gather the dim. A zero
+    vector's norm has gradient 0, as torch's own (the root of 0 alone would give NaN)."""
     if dtype is not None:
         x = x.to(dtype)
     dims = range(x.dim()) if dim in (None, []) else dim if isinstance(dim, (list, tuple)) else [dim]
     dims = sorted({d % x.dim() for d in dims})
     powers = x * x if ord == 2 and x.is_floating_point() else x.abs().pow(ord)
     total = torch.mean(powers, dims, keepdim=keepdim) * math.prod(x.shape[d] for d in dims)
-    return total.sqrt() if ord == 2 else total.pow(1.0 / ord)
+    nonzero = total > 0
+    safe = torch.where(nonzero, total, torch.ones_like(total))
+    root = safe.sqrt() if ord == 2 else safe.pow(1.0 / ord)
+    return torch.where(nonzero, root, torch.zeros_like(root))
 
 
 register(aten.linalg_vector_norm.default, decomposition=_norm_as_mean)(_vector_norm)
