@@ -39,11 +39,10 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
             if inner.op == "output":
                 outputs = fx.map_arg(inner.args[0], lambda a: env[a])
                 break
-            if inner.op == "get_attr":  # a constant of the region: moved to the graph
-                name = f"{body_node.target}_{inner.target.replace('.', '_')}"
-                setattr(gm, name, getattr(body, inner.target))
-                inner.target = name
             copy = gm.graph.node_copy(inner, lambda a: env[a])
+            if inner.op == "get_attr":  # a constant or inner region of the body: moved up
+                copy.target = f"{body_node.target}_{inner.target.replace('.', '_')}"
+                setattr(gm, copy.target, getattr(body, inner.target))
             for key in _INHERITED:
                 if key in call.meta:
                     copy.meta.setdefault(key, call.meta[key])
