@@ -44,6 +44,7 @@ from tpcompile.passes.prepare.constant_index_as_slice import constant_index_as_s
 from tpcompile.passes.prepare.decompose_unruled import MAX_ROUNDS, decompose_unruled_pass
 from tpcompile.passes.prepare.drop_dead_code import drop_dead_code_pass
 from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fresh_writes_pass
+from tpcompile.passes.prepare.inline_autocast import inline_autocast_pass
 from tpcompile.passes.prepare.split_bias import split_bias_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
 from tpcompile.passes.rewrite.clone_converted_writes import clone_converted_writes_pass
@@ -61,10 +62,11 @@ __all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
 
 
-# graph -> graph, before the planner: the planner sees no dead code, matmuls without biases,
-# constant runs of indices as slices, and writes into buffers the graph makes itself as values
-# (out of place)
-PREPARE_PASSES: list[Pass] = [("drop_dead_code", drop_dead_code_pass),
+# graph -> graph, before the planner: the planner sees the ops of autocast regions, no dead
+# code, matmuls without biases, constant runs of indices as slices, and writes into buffers
+# the graph makes itself as values (out of place)
+PREPARE_PASSES: list[Pass] = [("inline_autocast", inline_autocast_pass),
+                              ("drop_dead_code", drop_dead_code_pass),
                               ("split_bias", split_bias_pass),
                               ("constant_index_as_slice", constant_index_as_slice_pass),
                               ("functionalize_fresh_writes", functionalize_fresh_writes_pass)]

@@ -467,6 +467,35 @@ class WholeQKNorm(Attention):
                 self.wv(x).view(B, T, self.n_kv_heads, self.head_dim))
 
 
+class NormalizedQK(Attention):
+    """nGPT / cosine attention (Swin v2, some ViTs): q and k unit-normalised per head with
+    ``F.normalize(x, dim=-1)`` (``linalg_vector_norm`` over head_dim), then scaled by nGPT's
+    ``sqk`` over all the heads' features, viewed per head. The heads are cut, head_dim is
+    whole: each rank normalises its own heads."""
+
+    def init_projections(self, linear):
+        super().init_projections(linear)
+        self.sqk = nn.Parameter(torch.full((D,), math.sqrt(self.head_dim)))
+
+    def position(self, q, k):
+        sqk = self.sqk.view(1, 1, self.n_heads, self.head_dim)
+        return F.normalize(q, dim=-1) * sqk, F.normalize(k, dim=-1) * sqk
+
+
+class FullPrecisionQKNorm(Attention):
+    """Gemma / Qwen-style per-head q and k RMSNorms run in float32 with autocast switched off
+    (``torch.autocast(..., enabled=False)``, as Hugging Face does around RoPE): export captures
+    the region as a ``wrap_with_autocast`` call of a submodule."""
+
+    def init_projections(self, linear):
+        super().init_projections(linear)
+        self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)
+
+    def position(self, q, k):
+        with torch.autocast(q.device.type, enabled=False):
+            return self.q_norm(q.float()).type_as(q), self.k_norm(k.float()).type_as(k)
+
+
 class MatmulLinear(nn.Linear):
     """A Linear that spells out its matmul, as LoRA / quantization wrappers do."""
 
@@ -642,6 +671,19 @@ class ReluSquaredMLP(nn.Module):
 
     def forward(self, x):
         return self.w2(torch.square(F.relu(self.w1(x))))
+
+
+class NormalizedSwiGLU(SwiGLU):
+    """A SwiGLU whose hidden activation is unit-normalised over its features before the down
+    projection (``F.normalize(h, dim=-1)``, nGPT-style), scaled per feature: the norm spans
+    the hidden features the ranks split, so its sum of squares is a per-token statistic."""
+
+    def __init__(self, hidden: int = HIDDEN, linear=nn.Linear):
+        super().__init__(hidden, linear)
+        self.gain = nn.Parameter(torch.full((hidden,), math.sqrt(hidden)))
+
+    def forward(self, x):
+        return self.w2(F.normalize(F.silu(self.w1(x)) * self.w3(x), dim=-1) * self.gain)
 
 
 class FusedGateUp(nn.Module):
@@ -826,6 +868,17 @@ _REGISTRY = [
      attention_expect(col=ATTN_COL + _in_layers("attn.q_norm.weight", "attn.k_norm.weight"),
                       fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=3)),
     ("swiglu_linear", lambda: LM(), BASELINE),
+    # unit-norm q / k per head: head_dim is whole on every rank, nothing to reduce; sqk, read
+    # by q and k through one view, is whole on every rank, its gradient synced in the
+    # attention input's all-reduce
+    ("qk_normalize_per_head", lambda: LM(attn=NormalizedQK),
+     attention_expect(replicated=BASELINE.replicated + _in_layers("attn.sqk"))),
+    # the per-head norms' weights are whole on every rank (as Megatron's q / k layernorms):
+    # their gradients are all-reduced once (backward +1)
+    ("qk_norm_autocast_off", lambda: LM(attn=FullPrecisionQKNorm),
+     attention_expect(replicated=BASELINE.replicated + _in_layers("attn.q_norm.weight",
+                                                                  "attn.k_norm.weight"),
+                      bwd_allreduce_per_layer=3)),
     # channels cut from in_proj through the conv, the scan and D to out_proj; x_proj's (dt, B, C)
     # are a partial sum over channels, all-reduced once (forward), as is their gradient
     ("mamba_selective_scan", lambda: LM(attn=SelectiveScan),
@@ -848,6 +901,11 @@ _REGISTRY = [
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),
     ("mlp_relu_squared", lambda: LM(mlp=ReluSquaredMLP),
      mlp_expect(col=_in_layers("mlp.w1.weight"))),
+    # the gain cut with the hidden features; the norm's sum of squares all-reduced forward
+    # (+1), its gradient backward (+1)
+    ("mlp_normalize_hidden", lambda: LM(mlp=NormalizedSwiGLU),
+     mlp_expect(col=MLP_COL + _in_layers("mlp.gain"), fwd_allreduce_per_layer=3,
+                bwd_allreduce_per_layer=3)),
     ("swiglu_fused_gate_up", lambda: LM(mlp=FusedGateUp),
      mlp_expect(col=_in_layers("mlp.gate_up_proj.weight"),  # per gate / up chunk
                 row=_in_layers("mlp.down_proj.weight"))),
@@ -897,6 +955,9 @@ STYLES = {
     "softmax_masked_fill": "nanoGPT explicit attention: `masked_fill` with a tril buffer, softmax, `@ v`",
     "qk_norm_whole": "OLMo 2: RMSNorm over the whole q and k projections, before the head split",
     "bmm_batch_heads_merged": "BART / XGLM: batch and heads merged, reshape(B * H, T, d) and bmm",
+    "qk_normalize_per_head": "nGPT / cosine attention: `F.normalize(q, dim=-1) * sqk.view(1, 1, H, hd)` per head",
+    "qk_norm_autocast_off": "per-head q / k RMSNorm in float32 inside `torch.autocast(..., enabled=False)`",
+    "mlp_normalize_hidden": "nGPT-style `F.normalize(h, dim=-1) * gain` over a SwiGLU's hidden features",
     "swiglu_linear": "SwiGLU with three `nn.Linear` (the baseline)",
     "mamba_selective_scan": "Mamba mixer: depthwise causal `conv1d`, `x_proj` split into dt / B / C, segment-sum scan",
     "mamba2_one_group": "Mamba-2 (Bamba): fused in_proj to (z, xBC, dt), B / C of one group `repeat_interleave`d to the heads, `einsum` SSD, gated norm",

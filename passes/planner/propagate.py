@@ -66,7 +66,8 @@ class Propagation:
     rejected: dict[str, str] = field(default_factory=dict)      # root -> why a rule refused it
     root_users: dict[str, set] = field(default_factory=dict)    # root -> ops that shard it
     statistics: set = field(default_factory=set)  # nodes whose partial sum is a per-token statistic
-    # op with no rule that met a sharded or partial input -> why (planned again decomposed)
+    # op with no rule that met a sharded or partial input, or whose rule asked for its
+    # decomposition -> why (planned again decomposed)
     no_rule: dict[fx.Node, str] = field(default_factory=dict)
     specs: Specs | None = None
     output: fx.Node | None = None
@@ -119,6 +120,11 @@ class OpView:
     def mark_statistic(self) -> None:
         """This op's partial sum is a per-token statistic (see ``_reduce`` in the rule table)."""
         self._state.statistics.add(self.node)
+
+    def decompose(self, reason: str) -> None:
+        """Plan this op again through its rule's ``decomposition`` (the pipeline rewrites it
+        and replans); this round it runs as the rule placed it."""
+        self._state.no_rule[self.node] = reason
 
     def overlaps(self, layout: Layout) -> bool:
         return self.specs.overlaps(layout)

@@ -7,7 +7,9 @@ PyTorch itself lowers it to (``torch._decomp``'s core ATen decompositions, or th
 composite kernel): ``square(x)`` is ``x * x``, ``logsumexp`` an ``amax``, a ``sub``, an ``exp``
 and a ``sum``, each of which the table knows. Only ops with no rule that met a sharded or
 partial input are rewritten (every use of such an op: the next layer's is the next blocker),
-and the trace stops at ops the table knows.
+and the trace stops at ops the table knows. A ruled op is rewritten only at the nodes whose
+rule asked for it, through the rule's own ``decomposition`` (a vector norm over a sharded dim
+becomes a mean of powers, planned as a per-token statistic).
 
 The decomposition is traced with ``make_fx`` in the capture's own fake mode, so symbolic
 batch and sequence sizes stay symbolic (``sym_size`` nodes of the operands), and inlined in
@@ -42,6 +44,8 @@ def _table() -> dict:
 
 
 def _decomposition(target):
+    if (rule := rule_for_target(target)) is not None:
+        return rule.decomposition
     if not isinstance(target, torch._ops.OpOverload):
         return None
     if target in _table():
@@ -52,9 +56,9 @@ def _decomposition(target):
 
 
 def decomposable(node: fx.Node) -> bool:
-    """An op with no rule that PyTorch can express in other ops."""
-    return (node.op == "call_function" and rule_for(node) is None
-            and _decomposition(node.target) is not None and not node.target._schema.is_mutable)
+    """An op with no rule that PyTorch can express in other ops, or one its rule decomposes."""
+    return (node.op == "call_function" and _decomposition(node.target) is not None
+            and not node.target._schema.is_mutable)
 
 
 @functools.cache
@@ -127,5 +131,6 @@ def decompose_unruled_pass(gm: fx.GraphModule, no_rule: dict[fx.Node, str]) -> P
     of such an op is rewritten: the same op in the next layer is the next blocker.
     """
     ops = {n.target for n in no_rule if decomposable(n)}
-    unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+    unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops
+               and (rule_for(n) is None or n in no_rule)]  # a ruled op: only where it asked
     return PassResult(gm, decompose_nodes(gm, unruled) > 0)

@@ -61,6 +61,11 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     # expert's input; Gemma 4's per-layer inputs, made before the blocks, with the first block's
     "moe_scaled_tokens": (2, 4),
     "per_layer_inputs": (2, 4),
+    # F.normalize (linalg_vector_norm): per head with the heads cut, and over the sharded
+    # hidden features as a per-token statistic; a q / k norm inside autocast(enabled=False)
+    "qk_normalize_per_head": (2, 4),
+    "mlp_normalize_hidden": (2, 4),
+    "qk_norm_autocast_off": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -80,7 +85,8 @@ def test_plan_is_megatrons(name, world_size):
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group")
+                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group",
+                       "mlp_normalize_hidden")
 
 
 def _numerics_params() -> list:

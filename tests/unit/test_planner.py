@@ -13,6 +13,7 @@ from tpcompile import ShardingPlan
 from tpcompile.tools import models
 from tpcompile.api import plan_model
 from tpcompile.core.placement import Replicate, Shard
+from tpcompile.passes.planner.rules import rule_for_target
 
 from support import workers
 
@@ -164,3 +165,39 @@ def test_decompositions_are_a_pass_of_their_own_in_the_diff():
              if line.startswith("+") and not line.startswith("+++")]
     assert any("aten.amax" in line for line in added)  # logsumexp's first op
     assert "(no change)" in sections["functionalize_fresh_writes"]
+
+
+class VectorNorms(nn.Module):
+    """``F.normalize`` of heads cut by a column linear (head_dim whole: the shard passes) and
+    over the whole cut features before the row linear (a per-token statistic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = torch.nn.functional.normalize(self.up(x).unflatten(-1, (4, 4)), dim=-1).flatten(-2)
+        return self.down(torch.nn.functional.normalize(h, dim=-1))
+
+
+def test_vector_norms_over_a_cut_dim_are_decomposed_there_alone():
+    cap, plan = plan_model(VectorNorms(), (torch.randn(2, 5, 8),), 2)
+    assert plan.styles() == {"up.weight": "colwise", "down.weight": "rowwise"}
+    # two values all-reduced: the statistic (read by the root and its zero test), the row output
+    assert not plan.fallbacks and len({c.value for c in all_reduces(plan)}) == 2
+    targets = [n.target for n in cap.gm.graph.nodes]
+    assert targets.count(torch.ops.aten.linalg_vector_norm.default) == 1  # per head: kept
+    assert {n.meta.get("decomposed_from") for n in cap.gm.graph.nodes} >= {
+        "aten.linalg_vector_norm.default"}
+
+
+@pytest.mark.parametrize("ord, dim, keepdim", [(2, -1, True), (2, None, False), (3.5, (0, 2), True),
+                                               (1, 1, False)])
+def test_vector_norm_decomposition_is_the_norm(ord, dim, keepdim):
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    norm = rule_for_target(torch.ops.aten.linalg_vector_norm.default).decomposition
+    torch.testing.assert_close(norm(x, ord, dim, keepdim),
+                               torch.linalg.vector_norm(x, ord, dim, keepdim))
+    x = torch.zeros(3, 4, requires_grad=True)  # a zero vector: gradient 0, not NaN
+    norm(x, ord, -1).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))

@@ -55,12 +55,16 @@ class Rule:
     random draw), so slicing commutes with the op. ``carries(node, shard)``: like ``maps`` for
     ops that are no views but still carry a shard of a dim they do not index (``embedding``'s
     table columns, ``index``'s unpicked dims): a parameter read through them may be stored
-    sharded too, but they start no column-parallel root as a view of a weight would."""
+    sharded too, but they start no column-parallel root as a view of a weight would.
+    ``decomposition``: the op written in ops the table knows, with the op's signature; the
+    planner plans a node through it when its rule asks (``op.decompose``: placements the op
+    cannot take whole, such as a vector norm over a sharded dim)."""
     propagate: Callable
     localize: Callable | None = None
     maps: Callable | None = None
     elementwise: bool = False
     carries: Callable | None = None
+    decomposition: Callable | None = None
 
 
 RULES: dict = {}
@@ -69,10 +73,11 @@ LOOKUPS = frozenset({aten.embedding.default})  # read a table's rows by index (v
 OUT_FEATURES_FIRST = frozenset({aten.linear.default})  # weight (out, in): a column cut splits dim 0
 
 
-def register(*targets, localize=None, maps=None, matmul=False, elementwise=False, carries=None):
+def register(*targets, localize=None, maps=None, matmul=False, elementwise=False, carries=None,
+             decomposition=None):
     def deco(fn):
         for t in targets:
-            RULES[t] = Rule(fn, localize, maps, elementwise, carries)
+            RULES[t] = Rule(fn, localize, maps, elementwise, carries, decomposition)
             if matmul:
                 PARAM_MATMULS.add(t)
         return fn

@@ -1,5 +1,6 @@
 """Reductions and norms: sums and means (linear: a shard of a reduced dim gives a partial sum),
-max / var / topk / sort, and ops that read whole dims (softmax, layer / RMS norm, cumsum)."""
+vector norms, max / var / topk / sort, and ops that read whole dims (softmax, layer / RMS norm,
+cumsum)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import torch
 
-from tpcompile.core.placement import Partial
+from tpcompile.core.placement import Partial, Shard
 from tpcompile.runtime.partial import mean_term
 from tpcompile.passes.planner.dims import norm_dim, shape
 from tpcompile.passes.planner.rules import register
@@ -16,26 +17,28 @@ from tpcompile.passes.planner.rules.einsum import _tensor_args, einsum_rule
 aten = torch.ops.aten
 
 
-def _reduced_dims(node) -> tuple[list[int], bool]:
-    """The dims a reduction ``op(x, dims, keepdim)`` folds (all of them when none are named)."""
+def _reduced_dims(node, at: int = 1) -> tuple[list[int], bool]:
+    """The dims a reduction ``op(x, dims, keepdim)`` folds (all of them when none are named);
+    ``at``: the position of ``dims`` (``linalg_vector_norm(x, ord, dims, keepdim)``: 2)."""
     n = len(shape(node.args[0]))
-    dims = node.args[1] if len(node.args) > 1 else None
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
+    keepdim = node.args[at + 1] if len(node.args) > at + 1 else node.kwargs.get("keepdim", False)
     if dims in (None, []):
         return list(range(n)), keepdim
     return sorted({norm_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}), keepdim
 
 
-def _reduce(linear, statistic=False):
+def _reduce(linear, statistic=False, at=1):
     """A reduction over some dims. ``linear``: a shard of a reduced dim gives a partial sum.
 
     ``statistic``: that partial sum is a per-token statistic (a norm's mean of squares), whose
     all-reduce the planner accepts only in a region that is otherwise Megatron's
-    (``_dead_regions``): a norm over the residual stream must still end a region."""
+    (``_dead_regions``): a norm over the residual stream must still end a region. ``at``: as
+    in :func:`_reduced_dims`."""
     def propagate(op):
         x = op.node.args[0]
         n = len(shape(x))
-        reduced, keepdim = _reduced_dims(op.node)
+        reduced, keepdim = _reduced_dims(op.node, at)
         out = [d if (d not in reduced or keepdim) else None for d in range(n)]
         labels = [f"r{d}" if d in reduced else d for d in range(n)]
         result = einsum_rule(op, [(x, labels)], [o for o in out if o is not None] if not keepdim
@@ -60,6 +63,42 @@ register(aten.sum.dim_IntList, aten.sum.default)(_reduce("mul"))
 register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul", statistic=True))
 register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
          aten.argmax.default)(_reduce(None))
+
+
+def _vector_norm(op):
+    """``linalg_vector_norm`` (``F.normalize``, ``torch.linalg.vector_norm``): not linear, so a partial input
+    is reduced first, and a shard of a dim it keeps passes (q / k unit-normalised per head,
+    the heads cut). Over a sharded dim a finite ``ord`` > 0 is planned again through
+    :func:`_norm_as_mean` (a per-token statistic, like an RMSNorm's); ``inf``, ``-inf`` and
+    ``0`` (a max, a min, a count of nonzeros) gather the dim."""
+    x = op.node.args[0]
+    p = op.placement(x)
+    order = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("ord", 2)
+    reduced, _ = _reduced_dims(op.node, at=2)
+    if (isinstance(p, Shard) and p.dim in reduced and not op.specs.is_full(p.layout)
+            and math.isfinite(order) and order > 0):
+        op.decompose(f"{op.node.name} is a vector norm over the sharded dim {p.dim}")
+    return _reduce(None, at=2)(op)
+
+
+def _norm_as_mean(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """``linalg_vector_norm`` of a finite ``ord`` > 0 as ``(mean(|x|^ord) * count)^(1/ord)``:
+    over a sharded dim the mean is each rank's term of a per-token statistic, all-reduced
+    before the root (``mean``'s rule), where the norm itself would gather the dim. A zero
+    vector's norm has gradient 0, as torch's own (the root of 0 alone would give NaN)."""
+    if dtype is not None:
+        x = x.to(dtype)
+    dims = range(x.dim()) if dim in (None, []) else dim if isinstance(dim, (list, tuple)) else [dim]
+    dims = sorted({d % x.dim() for d in dims})
+    powers = x * x if ord == 2 and x.is_floating_point() else x.abs().pow(ord)
+    total = torch.mean(powers, dims, keepdim=keepdim) * math.prod(x.shape[d] for d in dims)
+    nonzero = total > 0
+    safe = torch.where(nonzero, total, torch.ones_like(total))
+    root = safe.sqrt() if ord == 2 else safe.pow(1.0 / ord)
+    return torch.where(nonzero, root, torch.zeros_like(root))
+
+
+register(aten.linalg_vector_norm.default, decomposition=_norm_as_mean)(_vector_norm)
 
 # op -> (index of its dim argument, whether the output keeps that dim): ops that return values
 # and indices along one dim
