@@ -181,13 +181,13 @@ def _other_collectives(rank):
 
     original = pipeline.rewrite_passes
 
-    def tampered(plan, r, group):
+    def tampered(plan, r, group, *rest):
         def drop_all_reduces(gm):
             for node in gm.graph.nodes:
                 if node.target is collectives.all_reduce:
                     node.target = collectives.copy_to_region
             return gm
-        return original(plan, r, group) + [("tamper", drop_all_reduces)] * (rank == 1)
+        return original(plan, r, group, *rest) + [("tamper", drop_all_reduces)] * (rank == 1)
 
     pipeline.rewrite_passes = tampered
     try:
