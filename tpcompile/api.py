@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
@@ -180,7 +181,8 @@ class SignatureCapture:
     ``module`` (built around the skeleton, holding it as ``prefix``) is captured instead: a
     wrapper that owns a static KV cache. Every tensor the first plan holds must be placed as
     that plan places it (checked: the graphs share the tensors). A call returns the new graph
-    and its own plan (the wrapper's cache buffers are allocated from it).
+    and its own plan (the wrapper's cache buffers are allocated from it); ``device``: where the
+    graph will run, when the call's inputs do not say (meta examples).
     """
 
     def __init__(self, model: nn.Module, plan, rank: int, group_name: str):
@@ -192,7 +194,7 @@ class SignatureCapture:
         self.plan, self.rank, self.group_name = plan, rank, group_name
 
     def __call__(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
-                 prefix: str = ""):
+                 prefix: str = "", device: torch.device | None = None):
         meta = tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a
                      for a in args)
         with warnings.catch_warnings():  # "accepts only 1 there": what this capture is for
@@ -205,8 +207,14 @@ class SignatureCapture:
                 raise PlanError(
                     f"the call {describe(args, kwargs)} plans {name} as {other.placement}, the "
                     f"module's first call as {entry.placement}: one module cannot serve both")
+        # captured on the skeleton: its device constants go to ``device``, else where the
+        # call's inputs are (a model built on meta and loaded since runs there, not where
+        # parallelize saw it)
+        device = device or next((a.device for a in pytree.tree_leaves((args, kwargs))
+                                 if isinstance(a, torch.Tensor) and a.device.type != "meta"),
+                                self.device)
         gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",),
-                                 device=self.device)  # captured on the skeleton
+                                 device=device)
         return gm, planned.plan
 
 

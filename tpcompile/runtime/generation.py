@@ -110,7 +110,8 @@ def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
         meta = dict(device="meta", dtype=torch.long)
         example = (torch.empty(batch, n, **meta), torch.empty(batch, max_len, **meta),
                    torch.empty(batch, n, **meta), torch.empty(n, **meta))
-        gm, plan = capture(example, {}, module=wrapper, prefix="model.")
+        device = next(tp.parameters(), torch.empty(0)).device  # the example is meta, shards not
+        gm, plan = capture(example, {}, module=wrapper, prefix="model.", device=device)
         bind_tensors(gm, tp, plan, prefix="model.", rank=tp.rank)
         inner = type(tp)(gm, plan, tp.rank, tp.group, tp.call_check.mode)
         inner.capture_signature = lambda args, kwargs: capture(args, kwargs, module=wrapper,

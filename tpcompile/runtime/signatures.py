@@ -16,7 +16,6 @@ import torch
 from torch import fx, nn
 
 from tpcompile.errors import TPCompileError
-from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 
 __all__ = ["MAX_SIGNATURES", "bind_tensors", "written_buffers", "exact_fit"]
 
@@ -36,9 +35,7 @@ def bind_tensors(gm: fx.GraphModule, owner: nn.Module, plan=None, prefix: str = 
     has checked that it was planned as ``owner``'s first graph. ``prefix``: ``gm`` captured a
     wrapper holding the model there; the wrapper's own buffers (its KV cache) are allocated
     here as this rank's zero shards, from ``plan``, the ``ShardingPlan`` ``gm`` was rewritten
-    under (None once every tensor of ``gm`` is ``owner``'s). Device constants ``gm`` was
-    captured with on the meta device (a model built on meta, loaded since) are moved to the
-    device of ``owner``'s tensors, where the bound graph runs.
+    under (None once every tensor of ``gm`` is ``owner``'s).
     """
     mine = _tensors(owner)
     device = next(iter(mine.values())).device if mine else torch.device("cpu")
@@ -53,8 +50,6 @@ def bind_tensors(gm: fx.GraphModule, owner: nn.Module, plan=None, prefix: str = 
         owner_mod, _, leaf = name.rpartition(".")
         sub = gm.get_submodule(owner_mod) if owner_mod else gm
         (sub._parameters if leaf in sub._parameters else sub._buffers)[leaf] = held
-    if device.type != "meta" and retarget_device_pass(gm, device).modified:
-        gm.recompile()
 
 
 def written_buffers(gm: fx.GraphModule) -> list[str]:
