@@ -25,7 +25,7 @@ from tpcompile.tools.numerics import compare, rel_err  # noqa: E402
 def _lora_case(name: str, rank: int) -> dict:
     model, inputs, kwargs, _ = lora_models.build(name)
     tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs or None)
-    cmp = compare(model, tp, inputs, steps=3, kwargs=kwargs)
+    cmp = compare(model, tp, inputs, steps=3, kwargs=kwargs, keep_state=True)
     loaded = copy.deepcopy(cmp.reference)
     missing = loaded.load_state_dict(cmp.full_state, strict=False).missing_keys
     mine, theirs = lora_models.merged(loaded), lora_models.merged(cmp.reference)

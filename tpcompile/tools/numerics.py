@@ -54,8 +54,9 @@ class Comparison:
     grad_errs: dict[str, float]
     step_errs: dict[str, float] = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
-    # after ``steps``: the sharded module's gathered state and the trained reference copy, for
-    # checks of weights derived from several tensors (LoRA's merged base + B @ A * scale)
+    # with ``keep_state``, after ``steps``: the sharded module's gathered state and the trained
+    # reference copy, for checks of weights derived from several tensors (LoRA's merged
+    # base + B @ A * scale); empty otherwise, so a rank's result stays small and picklable
     full_state: dict = field(default_factory=dict)
     reference: nn.Module | None = None
 
@@ -69,7 +70,7 @@ class Comparison:
 
 
 def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: float = 1e-3,
-            kwargs: dict | None = None) -> Comparison:
+            kwargs: dict | None = None, keep_state: bool = False) -> Comparison:
     """Forward + backward both models on ``inputs``; optionally ``steps`` AdamW steps on both.
 
     ``model`` is copied first, so the caller's model is left as it was. After the steps,
@@ -105,7 +106,8 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
         full = tp.full_state_dict()
         step_errs = {n: rel_err(full[n][live[n]], t[live[n]]) if n in live else rel_err(full[n], t)
                      for n, t in ref.state_dict().items() if t.is_floating_point()}
-    return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module), full, ref)
+    kept = (full, ref) if keep_state else ({}, None)
+    return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module), *kept)
 
 
 def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
