@@ -30,12 +30,15 @@ Modes (``parallelize(check_calls=...)``):
   (its next forward meets a peer still in a backward) or lost a call is named too. One tiny
   gloo all-reduce per call; see docs/performance.md for its cost.
 
-The first call of each description also compares a digest of the inputs' *values* (per
-tensor, its sum and a position-weighted sum in float64: one pass over the inputs, on their
-device), and ``"every"`` does so on every call: tensor parallelism needs the same batch on
-every rank of the group, and a data loader that gives each rank its own batch would otherwise
-produce a silently wrong model (each rank's shard of another batch). A later call of an agreed
-description is not compared in ``"new"`` mode.
+The first call of each description also compares a digest of the integer and boolean inputs'
+*values* (token ids, positions, masks; per tensor, its sum and a position-weighted sum in
+float64: one pass over them, on their device), and ``"every"`` does so on every call: tensor
+parallelism needs the same batch on every rank of the group, and a data loader that gives each
+rank its own batch would otherwise produce a silently wrong model (each rank's shard of
+another batch). Floating-point inputs are not compared: a pipeline stage's received
+activations are floats, and torch.distributed.pipelining's shape inference calls a stage with
+uninitialised ones, different on every rank. A later call of an agreed description is not
+compared in ``"new"`` mode.
 
 A rank whose inputs fail its own checks (:class:`InputError`: a token id out of range, a
 sequence beyond the model's limit) still takes part when a check is due, so its peers raise
@@ -104,9 +107,11 @@ def _fingerprint(t: torch.Tensor) -> str:
 
 
 def values_digest(args: tuple, kwargs: dict) -> str:
-    """A cheap fingerprint of the inputs' values: equal on ranks given the same batch."""
+    """A cheap fingerprint of the integer and boolean inputs' values (token ids, positions,
+    masks): equal on ranks given the same batch. Floats are left out (see the module doc)."""
     leaves = pytree.tree_leaves((args, kwargs))
-    return " ".join(_fingerprint(t) for t in leaves if isinstance(t, torch.Tensor))
+    return " ".join(_fingerprint(t) for t in leaves if isinstance(t, torch.Tensor)
+                    and not (t.is_floating_point() or t.is_complex()))
 
 
 def describe(args: tuple, kwargs: dict) -> str:
@@ -213,7 +218,8 @@ def _message(every: list[tuple[str, str | None, str]]) -> str:
             "goes across groups, not within one)")
     if len({text for text, _, _ in every}) == 1:
         return (f"ranks called the module with the same shapes ({every[0][0]}) but different "
-                "values (per input tensor: sum / position-weighted sum):\n"
+                "integer inputs (token ids, positions, masks; per tensor: sum / "
+                "position-weighted sum):\n"
                 + _grouped([values for _, _, values in every]) + hint)
     return ("ranks called the module with different inputs (dtypes and shapes, grad mode):\n"
             + _grouped([text for text, _, _ in every]) + hint)
