@@ -21,6 +21,7 @@ versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(2.11.0 2.12.1 2.13.0 2.14.1)
 mkdir -p "$dir" bench/results
 out="bench/results/compat-$(date +%Y-%m-%d).md"
+cores=$(nproc)  # before OMP_NUM_THREADS, which nproc reports instead
 export OMP_NUM_THREADS=1
 status=0
 reference=""
@@ -33,7 +34,7 @@ check() {  # check NAME LOG COMMAND...: "passed" or "FAILED (see LOG)"
 {
   echo "# torch releases: \`bash bench/compat.sh $*\`"
   echo
-  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPU cores, Python $(python3 -V | cut -d' ' -f2), tpcompile $(git rev-parse --short HEAD)"
+  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $cores CPU cores (OMP_NUM_THREADS=1), Python $(python3 -V | cut -d' ' -f2), tpcompile $(git rev-parse --short HEAD)"
   echo
   echo "| torch | install | demo | unit tests | support-table numerics (gloo) | plans equal to the first row |"
   echo "|---|---|---|---|---|---|"
