@@ -30,6 +30,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tpcompile.passes.planner.rules import rule_for, rule_for_target
+from tpcompile.passes.prepare.subgraphs import copy_subgraph, replace_call
 
 __all__ = ["decomposable", "decompose_nodes", "decompose_unruled_pass", "MAX_ROUNDS"]
 
@@ -96,30 +97,14 @@ def decompose_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> int:
     done = 0
     for node in nodes:
         sub, operands = _trace(node, table)
-        env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], operands))
         with gm.graph.inserting_before(node):
-            for inner in sub.graph.nodes:
-                if inner.op == "placeholder":
-                    continue
-                if inner.op == "output":
-                    result = fx.map_arg(inner.args[0], lambda a: env[a])
-                    break
-                if inner.op == "get_attr":  # a constant the decomposition made
-                    name = next(f"_decomposed_constant_{i}" for i in range(len(gm.graph.nodes) + 1)
-                                if not hasattr(gm, f"_decomposed_constant_{i}"))
-                    setattr(gm, name, getattr(sub, inner.target))
-                    inner.target = name
-                copy = gm.graph.node_copy(inner, lambda a: env[a])
-                copy.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
-                copy.meta["decomposed_from"] = str(node.target)
-                env[inner] = copy
-        if isinstance(result, (list, tuple)):  # multi-output ops are read through getitem
-            for user in list(node.users):
-                user.replace_all_uses_with(result[user.args[1]])
-                gm.graph.erase_node(user)
-        else:
-            node.replace_all_uses_with(result)
-        gm.graph.erase_node(node)
+            result, copies = copy_subgraph(gm, sub, operands, lambda target: next(
+                f"_decomposed_constant_{i}" for i in range(len(gm.graph.nodes) + 1)
+                if not hasattr(gm, f"_decomposed_constant_{i}")))  # a constant it made
+        for copy in copies:
+            copy.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
+            copy.meta["decomposed_from"] = str(node.target)
+        replace_call(gm, node, result)
         done += 1
     return done
 

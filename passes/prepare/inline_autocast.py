@@ -17,6 +17,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from tpcompile.core.checkpoint_marks import REGION
+from tpcompile.passes.prepare.subgraphs import copy_subgraph, replace_call
 
 __all__ = ["inline_autocast_pass"]
 
@@ -29,29 +30,17 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
     """Replace one ``wrap_with_autocast(device, dtype, enabled, cache, body, *args)`` call."""
     state, body_node, args = call.args[:4], call.args[4], call.args[5:]
     body = getattr(gm, body_node.target)
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    env = dict(zip(placeholders, args))
     with gm.graph.inserting_before(call):
         enter = gm.graph.call_function(torch.amp._enter_autocast, tuple(state))
-        for inner in body.graph.nodes:
-            if inner.op == "placeholder":
-                continue
-            if inner.op == "output":
-                outputs = fx.map_arg(inner.args[0], lambda a: env[a])
-                break
-            copy = gm.graph.node_copy(inner, lambda a: env[a])
-            if inner.op == "get_attr":  # a constant or inner region of the body: moved up
-                copy.target = f"{body_node.target}_{inner.target.replace('.', '_')}"
-                setattr(gm, copy.target, getattr(body, inner.target))
-            for key in _INHERITED:
-                if key in call.meta:
-                    copy.meta.setdefault(key, call.meta[key])
-            env[inner] = copy
+        # a constant or inner region of the body moves up, named after it
+        outputs, copies = copy_subgraph(
+            gm, body, args, lambda target: f"{body_node.target}_{target.replace('.', '_')}")
         gm.graph.call_function(torch.amp._exit_autocast, (enter,))
-    for user in list(call.users):  # the region's results are read through getitem
-        user.replace_all_uses_with(outputs[user.args[1]])
-        gm.graph.erase_node(user)
-    gm.graph.erase_node(call)
+    for copy in copies:
+        for key in _INHERITED:
+            if key in call.meta:
+                copy.meta.setdefault(key, call.meta[key])
+    replace_call(gm, call, outputs)  # the region's results are read through getitem
     if not body_node.users:
         gm.graph.erase_node(body_node)
         delattr(gm, body_node.target)
