@@ -96,28 +96,28 @@ def test_every_rank_ends_as_documented(runs, ws, mode, perturbation):
             assert r["recovered_err"] <= 1e-5, r
 
 
+def _mismatch_messages(runs, ws, perturbation):
+    """Per check mode: (the one message every rank raised, how the victim's peers are named)."""
+    for mode in MODES:
+        messages = {r[mode][perturbation]["error"] for r in runs[ws]}
+        assert len(messages) == 1  # the same text on every rank
+        yield messages.pop(), "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
+
+
 @pytest.mark.parametrize("ws", WS_PARAMS)
 def test_a_mismatch_names_every_ranks_call(runs, ws):
-    for mode in MODES:
-        messages = {r[mode]["new_sequence"]["error"] for r in runs[ws]}
-        assert len(messages) == 1  # the same text on every rank
-        m = messages.pop()
+    for m, others in _mismatch_messages(runs, ws, "new_sequence"):
         assert m.startswith("InputMismatchError: ranks called the module with different inputs")
-        others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
         assert f"  {others}: " in m and "(int64[2, 16]), grad" in m
         assert f"  rank {ws - 1}: " in m and "(int64[2, 24]), grad" in m
 
 
 @pytest.mark.parametrize("ws", WS_PARAMS)
 def test_ranks_fed_different_batches_are_named(runs, ws):
-    for mode in MODES:
-        messages = {r[mode]["values"]["error"] for r in runs[ws]}
-        assert len(messages) == 1  # the same text on every rank
-        m = messages.pop()
+    for m, others in _mismatch_messages(runs, ws, "values"):
         assert m.startswith("InputMismatchError: ranks called the module with the same shapes "
                             "("), m
         assert "(int64[2, 20]), grad, after a backward) but different integer inputs" in m, m
-        others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
         assert f"  {others}: " in m and f"  rank {ws - 1}: " in m
 
 
