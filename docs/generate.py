@@ -8,7 +8,8 @@ What it writes, each between its ``<!-- NAME:start -->`` / ``<!-- NAME:end -->``
 - README.md ``pipeline``: the "How it works" table, one row per step of
   ``tpcompile.passes.pipeline.steps()`` in the order they run.
 - docs/design.md ``pipeline``: the same steps as a block, and ``layout``: every module of the
-  package, in layer order (tests/unit/test_layers.py checks that imports go down these layers).
+  package, in the order of :data:`LAYERS` (tests/unit/test_layers.py checks that imports go
+  down these layers).
 
 A step's or a module's summary is the first sentence of its module's docstring, so a pass is
 described where it is written (each pass is a file named after it).
@@ -25,13 +26,24 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the package's parts bottom to top, as tests/unit/test_layers.py orders them
-LAYOUT = ["tpcompile/__init__.py", "tpcompile/errors.py", "tpcompile/compat.py", "tpcompile/core",
-          "tpcompile/runtime", "passes/planner", "passes/prepare", "passes/rewrite",
-          "passes/pipeline.py",
-          "tpcompile/api.py", "tpcompile/compile", "tpcompile/inspect", "tpcompile/state",
-          "tpcompile/tools"]
+# the package's layers, bottom to top: every import inside tpcompile goes down or stays in its
+# layer (tests/unit/test_layers.py reads them from here, through layer_modules)
+LAYERS = [["tpcompile/errors.py", "tpcompile/compat.py"], ["tpcompile/core"], ["tpcompile/runtime"],
+          ["passes/planner"], ["passes/prepare", "passes/rewrite"],
+          ["passes/pipeline.py", "passes/__init__.py"], ["tpcompile/api.py"],
+          ["tpcompile/compile", "tpcompile/inspect", "tpcompile/state"], ["tpcompile/tools"]]
+# the layout block's parts: the package root (it re-exports every layer), then the layers
+LAYOUT = ["tpcompile/__init__.py"] + [part for layer in LAYERS for part in layer
+                                      if part != "passes/__init__.py"]
 WIDTH, COLUMN = 100, 30
+
+
+def layer_modules() -> list[set[str]]:
+    """:data:`LAYERS` as importable module names (``passes/`` installs as tpcompile.passes)."""
+    def module(part: str) -> str:
+        name = part.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        return "tpcompile." + name if name.startswith("passes") else name
+    return [{module(part) for part in layer} for layer in LAYERS]
 
 
 def summary(path: Path) -> str:

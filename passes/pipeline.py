@@ -10,6 +10,14 @@ through :func:`plan` and :func:`rewrite`, so what is inspected is what runs:
 - :data:`REWRITE_PASSES` turn that graph into one rank's graph. :func:`rewrite` works on a
   copy (sharing the weights), so the planned graph stays as the plan describes it: every rank
   of a fake-PG test, and ``explain`` after ``diff``, can rewrite it again.
+- :data:`OUTLINE_PASSES` run on ``parallelize``'s rank graph after the ranks agree on it
+  (:func:`outline`): the agreement compares the graph's collectives, which an activation-
+  checkpointed region outlined into a ``checkpoint`` call would hide. ``explain`` and
+  ``diff`` show the graph before them (``explain`` names the regions they checkpoint).
+
+``retarget_device`` runs once more outside the lists, in another phase: a model built on the
+meta device gets real shards (``tpcompile.state.meta_init.to_empty``) long after its pipeline
+ran, and only then is the device its graph's constants name known.
 
 The runner lints after each pass and turns any failure into a :class:`TPCompileError` naming
 the pass, the passes before it and the cause. It regenerates Python code once, after the last
@@ -47,6 +55,7 @@ from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fr
 from tpcompile.passes.prepare.inline_autocast import inline_autocast_pass
 from tpcompile.passes.prepare.split_bias import split_bias_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
+from tpcompile.passes.rewrite.checkpoint_regions import checkpoint_regions_pass
 from tpcompile.passes.rewrite.clone_converted_writes import clone_converted_writes_pass
 from tpcompile.passes.rewrite.fuse_bias import fuse_bias_pass
 from tpcompile.passes.rewrite.fuse_sequence_linears import fuse_sequence_linears_pass
@@ -57,7 +66,8 @@ from tpcompile.passes.rewrite.retarget_device import retarget_device_pass
 from tpcompile.runtime.module import TPModule
 
 __all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "REWRITE_PASSES",
-           "plan", "rewrite", "rewrite_passes", "run_passes", "older_objects_frozen", "steps"]
+           "OUTLINE_PASSES", "plan", "rewrite", "rewrite_passes", "outline", "run_passes",
+           "older_objects_frozen", "steps"]
 
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
 
@@ -85,13 +95,17 @@ REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]]
     ("fuse_sequence_linears", fuse_sequence_linears_pass, ()),  # one SP gather for its linears
     ("retarget_device", retarget_device_pass, ("device",)),  # a meta capture's device constants
 ]
+# parallelize's rank graph once the ranks agree on it: checkpointed regions outlined
+OUTLINE_PASSES: list[tuple[str, Callable[..., PassResult], tuple[str, ...]]] = [
+    ("checkpoint_regions", checkpoint_regions_pass, ("checkpointing",)),
+]
 
 
 def steps() -> list[tuple[str, Callable]]:
-    """Every step in the order it runs: capture, the prepare passes, the planner, the replan
-    passes and the rewrite passes (the maps docs/generate.py writes into the docs)."""
+    """Every step in the order it runs: capture, the prepare passes, the planner, the replan,
+    rewrite and outline passes (the maps docs/generate.py writes into the docs)."""
     return ([("capture", capture), *PREPARE_PASSES, ("plan_sharding", plan_sharding)]
-            + [(name, fn) for name, fn, _ in REPLAN_PASSES + REWRITE_PASSES])
+            + [(name, fn) for name, fn, _ in REPLAN_PASSES + REWRITE_PASSES + OUTLINE_PASSES])
 
 
 @dataclass
@@ -299,3 +313,10 @@ def rewrite(planned: Planned, rank: int, group_name: str, *,
               if p[0] not in skip]
     with older_objects_frozen():
         return run_passes(copy_graph(planned.cap.gm), passes, record=record)
+
+
+def outline(gm: fx.GraphModule,
+            checkpointing: str | None) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """:data:`OUTLINE_PASSES` on a rank's rewritten graph (in place); ``checkpointing`` is
+    ``parallelize``'s ``activation_checkpointing``."""
+    return run_passes(gm, _bound(OUTLINE_PASSES, {"checkpointing": checkpointing}))

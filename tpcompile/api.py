@@ -23,7 +23,7 @@ from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
-from tpcompile.passes.rewrite.checkpoint_regions import MODES, checkpointed_graph
+from tpcompile.passes.rewrite.checkpoint_regions import MODES, OUTLINED
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
@@ -129,40 +129,57 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     if activation_checkpointing not in MODES:
         raise ValueError(f"activation_checkpointing must be one of {MODES}, got "
                          f"{activation_checkpointing!r}")
-    group, rank, world_size = resolve_group(mesh)
+    group, rank, _ = resolve_group(mesh)
     check_mode(check_calls)  # before planning, which takes a while
     warn_if_unbounded(group)
     options = PlanOptions(vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
                           sequence_parallel=sequence_parallel)
-    # ranks agree on what they planned before the model's first collective; raises on every rank
-    with agreement(group, values=value_entries(model)) as entries:
-        planned = pipeline.plan(model, example_inputs, world_size, example_kwargs, options=options,
-                                reuse_blocks=reuse_blocks)
-        gm, _ = pipeline.rewrite(planned, rank, group.group_name)
-        entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
+    planned, gm = _agreed_rank_graph(model, example_inputs, example_kwargs, group, options,
+                                     reuse_blocks)
     kept = _checkpoint_regions(gm, activation_checkpointing)
     tp = TPModule(gm, planned.plan, rank, group, check_calls)
     tp.checkpointed_regions = kept  # the names of the regions recomputed in backward
     if written_buffers(gm) or callable(getattr(model, "generate", None)):
-        # a static KV cache (prefill and decode calls are two captures), or a Hugging Face
-        # model whose generate() captures a static-cache wrapper around it
-        try:
-            tp.skeleton_capture = SignatureCapture(model, planned.plan, rank, group.group_name)
-        except Exception as e:  # noqa: BLE001 - training works without it; say what is lost
-            warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
-                          f"({type(e).__name__}: {e}); the module runs the captured call "
-                          "signature only (no decode captures, no generate)", stacklevel=2)
-        else:
-            if written_buffers(gm):  # other call signatures (decode steps) are captured anew
-                tp.capture_signature = tp.skeleton_capture
+        _keep_skeleton(tp, model, planned.plan)
     return tp
 
 
+def _agreed_rank_graph(model: nn.Module, example_inputs, example_kwargs, group,
+                       options: PlanOptions, reuse_blocks: bool):
+    """Plan ``model`` and rewrite this rank's graph; returns ``(planned, graph)``. The ranks
+    agree on what they planned (its values, plan and collectives) before the model's first
+    collective: a difference raises on every rank."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    with agreement(group, values=value_entries(model)) as entries:
+        planned = pipeline.plan(model, example_inputs, world_size, example_kwargs,
+                                options=options, reuse_blocks=reuse_blocks)
+        gm, _ = pipeline.rewrite(planned, rank, group.group_name)
+        entries += plan_entries(planned.cap, planned.plan) + collective_entries(gm)
+    return planned, gm
+
+
+def _keep_skeleton(tp: TPModule, model: nn.Module, plan) -> None:
+    """Give ``tp`` a :class:`SignatureCapture` of ``model``: a static KV cache (prefill and
+    decode calls are two captures), or a Hugging Face model whose ``generate()`` captures a
+    static-cache wrapper around it. Training works without it, so a model it cannot copy
+    gets a warning saying what is lost."""
+    try:
+        tp.skeleton_capture = SignatureCapture(model, plan, tp.rank, tp.group.group_name)
+    except Exception as e:  # noqa: BLE001 - said in the warning
+        warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
+                      f"({type(e).__name__}: {e}); the module runs the captured call "
+                      "signature only (no decode captures, no generate)", stacklevel=3)
+    else:
+        if written_buffers(tp.graph_module):  # other call signatures (decode) captured anew
+            tp.capture_signature = tp.skeleton_capture
+
+
 def _checkpoint_regions(gm, mode: str | None) -> list[str]:
-    """Run the graph's checkpointed regions through torch.utils.checkpoint (returns their
-    names); warn for each region that stays inline (its activations are saved), and when
-    "full" or "selective" finds no repeated block."""
-    kept, dropped = checkpointed_graph(gm, mode)
+    """Run the graph's checkpointed regions through torch.utils.checkpoint (the pipeline's
+    outline passes, in place; returns their names); warn for each region that stays inline
+    (its activations are saved), and when "full" or "selective" finds no repeated block."""
+    pipeline.outline(gm, mode)
+    kept, dropped = gm.meta[OUTLINED]
     for name, reason in dropped:
         warnings.warn(f"tpcompile: {name} is not checkpointed in the parallelized model: "
                       f"{reason}; its activations are saved for backward", stacklevel=3)

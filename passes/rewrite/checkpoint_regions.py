@@ -18,6 +18,10 @@ not change) called through ``checkpoint(..., use_reentrant=False)``. A region th
 outlined (it is not convex: an outside op reads one of its values and feeds another of its
 ops; or it writes a tensor in place, which a recomputation would write again) stays inline, and
 is reported with the reason; the result is always the same computation.
+
+:func:`checkpoint_regions_pass` is the pipeline's step (``OUTLINE_PASSES`` in
+``passes/pipeline.py``): it runs after the ranks agree on the rewritten graph, whose
+collectives an outlined region would hide inside its call.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ from collections import defaultdict
 
 import torch
 from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.checkpoint_marks import REGION
 
-__all__ = ["MODES", "regions_of", "outlinable_regions", "checkpointed_graph"]
+__all__ = ["MODES", "OUTLINED", "regions_of", "outlinable_regions", "checkpointed_graph",
+           "checkpoint_regions_pass"]
 
 MODES = (None, "full", "selective")  # activation_checkpointing values parallelize accepts
+OUTLINED = "checkpoint_regions"  # gm.meta key: the pass's (kept, dropped)
 _ATEN, _C10D = torch.ops.aten, torch.ops._c10d_functional
 # "selective": what a block's recomputation reads back instead of computing again: the
 # matmuls' and attentions' outputs (the expensive ops) and every collective's (so backward
@@ -205,3 +212,12 @@ def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[lis
             env[node].meta = {k: node.meta[k] for k in ("val", "tensor_meta") if k in node.meta}
     gm.graph = graph
     return [r.name for r in regions], dropped
+
+
+def checkpoint_regions_pass(gm: fx.GraphModule, checkpointing: str | None) -> PassResult:
+    """:func:`checkpointed_graph` as a pass: ``checkpointing`` is ``parallelize``'s
+    ``activation_checkpointing``; its ``(kept, dropped)`` are left in ``gm.meta[OUTLINED]``
+    for ``parallelize`` to keep and warn about."""
+    kept, dropped = checkpointed_graph(gm, checkpointing)
+    gm.meta[OUTLINED] = (kept, dropped)
+    return PassResult(gm, bool(kept))

@@ -32,7 +32,7 @@ def test_every_step_of_the_pipeline_is_in_the_readme_table():
 
 def test_every_pass_is_a_file_named_after_it_in_its_phase():
     phases = {"prepare": pipeline.PREPARE_PASSES + [p[:2] for p in pipeline.REPLAN_PASSES],
-              "rewrite": [p[:2] for p in pipeline.REWRITE_PASSES]}
+              "rewrite": [p[:2] for p in pipeline.REWRITE_PASSES + pipeline.OUTLINE_PASSES]}
     for phase, passes in phases.items():
         for name, fn in passes:
             assert fn.__name__ == f"{name}_pass"
