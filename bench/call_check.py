@@ -1,6 +1,6 @@
 """What the per-call checks cost: eager step time with each check mode against the bare graph.
 
-    python bench/call_check.py [--world-size 2] [--steps 300] [--seq 16]
+    python -m bench.call_check [--world-size 2] [--steps 300] [--seq 16]
 
 On gloo ranks (tpcompile.tools.launch), the built-in Llama (dim 64, 2 layers, 2 x 16 tokens by
 default) is parallelized twice, ``check_calls="new"`` and ``"every"``; three variants run a

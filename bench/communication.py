@@ -1,7 +1,7 @@
 """Collectives and bytes per training step against Megatron's lower bound, every test model.
 
-    python bench/communication.py               # markdown table, JSON in bench/results/
-    python bench/communication.py --world-sizes 2 4 8
+    python -m bench.communication               # markdown table, JSON in bench/results/
+    python -m bench.communication --world-sizes 2 4 8
 
 No process group: each model is captured, planned and rewritten for rank 0
 (:func:`tpcompile.inspect.trace.trace_rewrite`), and the collectives are read from the rewritten
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -40,11 +39,10 @@ def _hf_models() -> dict:
         import transformers  # noqa: F401
     except ImportError:
         return {}
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gloo"))
-    import workers  # the rank-side test bodies: one definition of the tests' HF configs
+    from zoo.hf_models import hf_model  # the gloo tests' HF configs
 
     tokens = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return {f"hf {name}": (lambda n=name: workers.hf_model(n), (tokens,))
+    return {f"hf {name}": (lambda n=name: hf_model(n), (tokens,))
             for name in ("llama", "llama_mqa", "gpt2", "bert")}
 
 

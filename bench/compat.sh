@@ -51,7 +51,7 @@ for v in "${versions[@]}"; do
   unit=$(check unit "$venv/unit.log" "$py" -m pytest -q tests/unit -m "not slow and not compile")
   numerics=$(check numerics "$venv/numerics.log" "$py" -m pytest -q \
     tests/gloo/test_numerics.py tests/gloo/test_sequence_parallel.py tests/gloo/test_hf_models.py)
-  plans=$(check plans "$venv/plans.log" "$py" bench/compat_plans.py)
+  plans=$(check plans "$venv/plans.log" "$py" -m bench.compat_plans)
   if [ "$plans" = passed ]; then
     cp "$venv/plans.log" "$venv/plans.json"
     if [ -z "$reference" ]; then

@@ -7,7 +7,7 @@ fallback, and nothing that depends on timing. Two torch releases that capture th
 graph must print the same text; ``bench/compat.sh`` diffs each release's output against the
 first release it runs.
 
-    python bench/compat_plans.py > plans.json
+    python -m bench.compat_plans > plans.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time to the first compiled training step vs model depth: tpcompile and DTensor side by side.
 
-    python bench/compile_time.py --world-size 2 --model llama --layers 2,16 --repeats 2
+    python -m bench.compile_time --world-size 2 --model llama --layers 2,16 --repeats 2
 
 For every depth, every variant builds the same model and times, cold (``torch._dynamo.reset``
 and ``fresh_inductor_cache``), from the model to the end of its first compiled forward +
@@ -31,20 +31,16 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import baselines  # noqa: E402  (bench/ is a folder of scripts, not a package)
-
-import tpcompile  # noqa: E402
-from tpcompile.tools import models  # noqa: E402
-from tpcompile.tools.numerics import rel_err  # noqa: E402
+from bench import baselines
+import tpcompile
+from tpcompile.tools import models
+from tpcompile.tools.numerics import rel_err
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("dtensor compiled", "tpcompile compiled", "tpcompile compiled (flat)",

@@ -1,6 +1,6 @@
 """tpcompile eager vs DTensor eager, run after run: is the lead steady, not just on average?
 
-    python bench/eager_lead.py --runs 5        # Llama and GPT-2, 2 and 4 gloo ranks
+    python -m bench.eager_lead --runs 5        # Llama and GPT-2, 2 and 4 gloo ranks
 
 Each run is a fresh ``bench/step_time.py`` launch (new processes, new process group) of the
 two eager variants, their steps interleaved; a run's lead is DTensor's median fwd+bwd time
@@ -15,15 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import step_time  # noqa: E402  (bench/ is a folder of scripts, not a package)
-
-from tpcompile.tools.launch import run_on_ranks  # noqa: E402
+from bench import step_time
+from tpcompile.tools.launch import run_on_ranks
 
 VARIANTS = ("dtensor eager", "tpcompile eager")
 GOAL = 1.3

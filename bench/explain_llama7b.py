@@ -1,6 +1,6 @@
 """Benchmark: `tpcompile.explain` of a Llama-7B-shaped model on meta tensors, no process group.
 
-Usage: python bench/explain_llama7b.py [--world-size 8] [--layers 32] [--seq 2048] [--static]
+Usage: python -m bench.explain_llama7b [--world-size 8] [--layers 32] [--seq 2048] [--static]
 
 ``--static`` captures at the example's sizes (``explain(..., dynamic=False)``): the same report,
 2.5x faster to capture.

@@ -1,6 +1,6 @@
 """Greedy decoding side by side at 2 gloo ranks: tpcompile vs DTensor vs the unsharded model.
 
-    python bench/generation.py [--world-size 2] [--new 32] [--repeats 3] [--runs 5]
+    python -m bench.generation [--world-size 2] [--new 32] [--repeats 3] [--runs 5]
 
 A random Hugging Face Llama (hidden 512, 4 layers, 8 query / 4 kv heads, vocabulary 4096),
 batch 1, a 16-token prompt. Rows:

@@ -1,7 +1,7 @@
 """Single-GPU checks: the rewrite's overhead at world size 1, and the shards' compute efficiency.
 
     bash bench/gpu.sh                  # skips (exit 0) without a CUDA device
-    python bench/gpu.py --device cpu --layers 1 --dim 256 --steps 2   # a smoke run on CPU
+    python -m bench.gpu --device cpu --layers 1 --dim 256 --steps 2   # a smoke run on CPU
 
 1. *Overhead*: a Llama (bf16, torch.compile'd, forward + backward) unsharded against
    ``tpcompile.parallelize`` of the same model at world size 1 (identity plan, no collectives),

@@ -22,9 +22,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 if [ "$check" = overhead ] || [ "$check" = all ]; then
-  "$PY" bench/gpu.py "$@"
+  "$PY" -m bench.gpu "$@"
 fi
 if [ "$check" = decode ] || [ "$check" = all ]; then
   ranks=$("$PY" -c "import torch; print(min(torch.cuda.device_count(), 2))")
-  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ranks" bench/gpu_decode.py "$@"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ranks" -m bench.gpu_decode "$@"
 fi

@@ -1,10 +1,10 @@
 """Decoding under CUDA graphs: the decode step compiled with ``mode="reduce-overhead"``.
 
     bash bench/gpu.sh decode                 # torchrun, one rank per GPU (at most 2)
-    python bench/gpu_decode.py --device cpu --layers 1 --dim 64 --heads 4 --kv-heads 2 \\
+    python -m bench.gpu_decode --device cpu --layers 1 --dim 64 --heads 4 --kv-heads 2 \\
         --vocab 256 --new 4                  # a smoke run of the same code on CPU (no graphs)
 
-A decoder that owns a static KV cache (``tests/cache_models.py``, gpt-fast style) is
+A decoder that owns a static KV cache (``zoo/cache_models.py``, gpt-fast style) is
 parallelized on every rank of the torchrun world (NCCL; run without torchrun it is a 1-rank
 world). The prompt is prefilled eagerly, then greedy decode steps run three ways:
 
@@ -35,8 +35,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -98,7 +96,7 @@ def greedy_timed(prefill, decode, prompt, new: int, device: str) -> tuple[list, 
 
 def run(args) -> dict:
     import tpcompile
-    from cache_models import CachedDecoder
+    from zoo.cache_models import CachedDecoder
     from torch._dynamo.utils import counters
     from torch._inductor import list_mode_options
     from tpcompile.runtime.collectives import count_collectives

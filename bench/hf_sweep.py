@@ -1,8 +1,8 @@
 """tpcompile's plans of every causal-LM family of the installed transformers, at a tiny config.
 
-    nice -n 19 python bench/hf_sweep.py --numerics --jobs 2   # -> results/hf_sweep.md, .json
-    python bench/hf_sweep.py --only LlamaForCausalLM GPT2LMHeadModel --numerics
-    python bench/hf_sweep.py --representative --numerics   # the CI subset (REPRESENTATIVE)
+    nice -n 19 python -m bench.hf_sweep --numerics --jobs 2   # -> results/hf_sweep.md, .json
+    python -m bench.hf_sweep --only LlamaForCausalLM GPT2LMHeadModel --numerics
+    python -m bench.hf_sweep --representative --numerics   # the CI subset (REPRESENTATIVE)
 
 Families: every ``*ForCausalLM`` class ``transformers`` exports, plus the other classes of its
 ``MODEL_FOR_CAUSAL_LM_MAPPING`` (``GPT2LMHeadModel``, ``OpenAIGPTLMHeadModel``, ...). Each is
@@ -68,7 +68,7 @@ TIMEOUT_S = 120
 NUMERICS_TIMEOUT_S = 240
 TOLERANCE = 1e-5
 DOUBLE_TOLERANCE = 1e-10
-COMMAND = "nice -n 19 python bench/hf_sweep.py --numerics --jobs 2"
+COMMAND = "nice -n 19 python -m bench.hf_sweep --numerics --jobs 2"
 
 # At Megatron's bound and exact on 2 gloo ranks in results/hf_sweep.md, chosen to cover the
 # distinct ways of writing a decoder block; for CI (`--representative`). Bloom (custom
@@ -359,7 +359,7 @@ def _measure(name: str, numerics: bool, mode: str) -> dict:
     row["seconds"] = time.perf_counter() - start
     row["captured"] = True
     row["static_shapes"] = any("accepts only" in str(w.message) for w in caught)
-    from memory import ideal_split  # bench/ is on sys.path when this runs as a script
+    from bench.memory import ideal_split
 
     sharded, replicated = ideal_split(report, _megatron_shards(cfg, WORLD_SIZE))
     row["param_bytes_max_rank"] = max(report.param_bytes_per_rank)
@@ -651,12 +651,13 @@ def run_one_subprocess(name: str, numerics: bool) -> dict:
     timeout = TIMEOUT_S + (NUMERICS_TIMEOUT_S if numerics else 0)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, __file__, "--one", name, "--out", str(out)]
+        cmd = [sys.executable, "-m", "bench.hf_sweep", "--one", name, "--out", str(out)]
         if numerics:
             cmd.append("--numerics")
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  cwd=Path(__file__).resolve().parents[1],
                                   env={**os.environ, "OMP_NUM_THREADS": "1",
                                        "TRANSFORMERS_VERBOSITY": "error"})
         except subprocess.TimeoutExpired:

@@ -1,8 +1,8 @@
-"""tpcompile's plans of the idiom corpus (tests/idioms.py) against Megatron-style plans.
+"""tpcompile's plans of the idiom corpus (zoo/idioms) against Megatron-style plans.
 
-    python bench/idioms.py --numerics         # every idiom at 2 and 4 ranks -> results/idioms.md
+    python -m bench.idioms --numerics         # every idiom at 2 and 4 ranks -> results/idioms.md
                                               # and the idiom table of docs/models.md
-    python bench/idioms.py --only alibi --world-sizes 2 --json /tmp/alibi.json
+    python -m bench.idioms --only alibi --world-sizes 2 --json /tmp/alibi.json
 
 Plans come from ``tpcompile.explain``, with no process group. Per idiom and world size:
 
@@ -45,15 +45,13 @@ from pathlib import Path
 import torch
 
 import tpcompile
-from memory import ideal_split
+from bench.memory import ideal_split
 from tpcompile.tools.launch import run_on_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import idioms  # noqa: E402
+from zoo import idioms
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, SEQ = 2, 16
-COMMAND = "python bench/idioms.py --numerics"
+COMMAND = "python -m bench.idioms --numerics"
 TOLERANCE = 1e-5
 
 
@@ -287,7 +285,7 @@ def main(argv=None) -> None:
         matching = sum(_matches(r) for r in rows)
         (RESULTS / "idioms.md").write_text(
             f"`{COMMAND}` (torch {torch.__version__}, batch {BATCH}, seq {SEQ}, float32; "
-            f"tests/idioms.py, plans from `tpcompile.explain`, no process group).\n\n"
+            f"zoo/idioms, plans from `tpcompile.explain`, no process group).\n\n"
             f"{matching} of {len(rows)} rows are the Megatron plan: expected styles, bytes at "
             f"the ideal, all-reduces at the bound, no other collective, and the unsharded "
             f"model's numbers (relative error <= {TOLERANCE:g}).\n\n{table}\n\n"

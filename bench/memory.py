@@ -1,8 +1,8 @@
 """Parameter and activation memory per rank of the built-in models at world sizes 1, 2 and 4.
 
-    python bench/memory.py                 # markdown table on stdout, JSON in bench/results/
-    python bench/memory.py --world-sizes 1 2 --models llama
-    python bench/memory.py --mesh          # TP x FSDP2 at 4 ranks: (dp, tp) in (1,4) (2,2) (4,1)
+    python -m bench.memory                 # markdown table on stdout, JSON in bench/results/
+    python -m bench.memory --world-sizes 1 2 --models llama
+    python -m bench.memory --mesh          # TP x FSDP2 at 4 ranks: (dp, tp) in (1,4) (2,2) (4,1)
 
 *Parameter memory*: bytes of this rank's ``tp.state_dict()`` (shards + replicated tensors).
 *Activation memory*: bytes of the tensors autograd saves for backward during one forward, the

@@ -1,9 +1,9 @@
 """Planning scale: capture + plan + rewrite time and peak memory of Llama-shaped models on meta.
 
-    python bench/planning.py                     # the sweep: markdown table, JSON in results/
-    python bench/planning.py --quick             # a shorter sweep (a minute on 2 cores)
-    python bench/planning.py --breakdown         # where a 7B capture's time goes (~40 s)
-    python bench/planning.py --reuse             # 7B, 70B, 405B: whole export vs reused blocks
+    python -m bench.planning                     # the sweep: markdown table, JSON in results/
+    python -m bench.planning --quick             # a shorter sweep (a minute on 2 cores)
+    python -m bench.planning --breakdown         # where a 7B capture's time goes (~40 s)
+    python -m bench.planning --reuse             # 7B, 70B, 405B: whole export vs reused blocks
 
 Each point runs in a fresh subprocess, so its peak resident memory (``ru_maxrss``) is its own
 and no cache (fake-tensor, sympy, linecache) carries over from a smaller model. A point is what
@@ -115,9 +115,9 @@ def measure_export(shape: str, layers: int, seq: int, mode: str) -> dict:
 
 
 def _in_subprocess(call: str) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import planning; print(json.dumps(planning.{call}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    code = f"import json; from bench import planning; print(json.dumps(planning.{call}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -1,7 +1,7 @@
 """Every benchmark, one command: bench/results/*.json and one markdown summary.
 
-    python bench/run_all.py             # about 45 minutes on 2 shared cores
-    python bench/run_all.py --quick     # eager step times only, 5 steps, short planning sweep
+    python -m bench.run_all             # about 45 minutes on 2 shared cores
+    python -m bench.run_all --quick     # eager step times only, 5 steps, short planning sweep
 
 Sections, each its own script (run alone for details and options):
 
@@ -39,16 +39,17 @@ QUICK_VARIANTS = "dtensor eager,tpcompile eager,unsharded"
 def sections(quick: bool) -> list[tuple[str, list[str]]]:
     variants, steps = (QUICK_VARIANTS, "5") if quick else (FULL_VARIANTS, "10")
     out = [(f"step time: {model}, {ws} ranks",
-            ["step_time.py", "--model", model, "--world-size", str(ws), "--steps", steps,
+            ["bench.step_time", "--model", model, "--world-size", str(ws), "--steps", steps,
              "--only", variants])
            for model in ("llama", "gpt2") for ws in (2, 4)]
     if not quick:
         out.append(("time to first compiled step vs depth: llama, 2 ranks",
-                    ["compile_time.py", "--model", "llama", "--layers", "2,16", "--repeats", "2"]))
-    out += [("communication vs Megatron's bound", ["communication.py"]),
-            ("planning scale", ["planning.py"] + (["--quick", "--out", "planning-quick"]
-                                                  if quick else [])),
-            ("parameter memory vs the ideal", ["memory.py", "--vs-ideal"])]
+                    ["bench.compile_time", "--model", "llama", "--layers", "2,16",
+                     "--repeats", "2"]))
+    out += [("communication vs Megatron's bound", ["bench.communication"]),
+            ("planning scale", ["bench.planning"] + (["--quick", "--out", "planning-quick"]
+                                                     if quick else [])),
+            ("parameter memory vs the ideal", ["bench.memory", "--vs-ideal"])]
     return out
 
 
@@ -67,8 +68,8 @@ def main(argv=None) -> None:
     for title, command in sections(args.quick):
         before, start = os.getloadavg(), time.perf_counter()
         print(f"== {title}: {' '.join(command)}", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, str(HERE / command[0]), *command[1:]],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True,
+                              cwd=HERE.parent)
         if done.returncode != 0:
             sys.stderr.write(done.stderr[-4000:])
             raise SystemExit(f"{title} failed (exit {done.returncode})")

@@ -1,7 +1,7 @@
 """Step time of the tensor-parallel variants of one model, side by side on the same ranks.
 
-    python bench/step_time.py --world-size 2 --model llama             # gloo ranks on CPU
-    torchrun --nproc-per-node 2 bench/step_time.py --device cuda ...    # NCCL on GPUs
+    python -m bench.step_time --world-size 2 --model llama             # gloo ranks on CPU
+    torchrun --nproc-per-node 2 -m bench.step_time --device cuda ...    # NCCL on GPUs
 
 Every rank builds the same model once and holds every variant at the same time:
 
@@ -35,7 +35,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,14 +42,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import baselines  # noqa: E402  (bench/ is a folder of scripts, not a package)
-
-import tpcompile  # noqa: E402
-from tpcompile.tools import models  # noqa: E402
-from tpcompile.tools.numerics import rel_err  # noqa: E402
-from tpcompile.compile.inductor import collective_kind  # noqa: E402
+from bench import baselines
+import tpcompile
+from tpcompile.tools import models
+from tpcompile.tools.numerics import rel_err
+from tpcompile.compile.inductor import collective_kind
 
 RESULTS = Path(__file__).resolve().parent / "results"
 UNSHARDED = "unsharded"

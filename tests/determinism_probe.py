@@ -1,24 +1,21 @@
 """Print, as JSON, the plan and every rank's rewritten code for a few models (no process group).
 
 tests/unit/test_determinism.py runs this in fresh interpreters with different PYTHONHASHSEED
-values and compares the outputs byte for byte.
+values (PYTHONPATH as pyproject gives the tests) and compares the outputs byte for byte.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import random_models  # noqa: E402
-from support import rewrite_ranks  # noqa: E402
-from tpcompile.tools import models  # noqa: E402
-from tpcompile.runtime.agreement import digest  # noqa: E402
+from support import rewrite_ranks
+from tpcompile.tools import models
+from tpcompile.runtime.agreement import digest
+from zoo import random_models
 
 
 class SetOrder(nn.Module):

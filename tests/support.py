@@ -1,4 +1,4 @@
-"""Test helpers importable from every test file (``pythonpath = ["tests"]`` in pyproject).
+"""Test helpers importable from every test file (``pythonpath`` in pyproject names tests/).
 
 The rank-side bodies live in ``gloo/workers.py``, which spawned ranks import by file path; this
 module loads the same file so tests can parametrize over its case table.

@@ -6,7 +6,6 @@ clean skip, the decode script's arguments and skip, and the verdict it prints fr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import gpu_decode
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "bench" / "gpu_decode.py")
-gpu_decode = importlib.util.module_from_spec(_spec)  # bench/ stays off sys.path
-_spec.loader.exec_module(gpu_decode)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU paths")
 

@@ -1,23 +1,19 @@
 """Rank-side bodies of tests/gloo/test_generation.py: decoders that own a static KV cache.
 
-Each case parallelizes :class:`cache_models.CachedDecoder`, runs a prefill and greedy decode
+Each case parallelizes :class:`zoo.cache_models.CachedDecoder`, runs a prefill and greedy decode
 steps on the ranks and on the unsharded model, and reports the tokens, the cache each rank
 holds, the collectives each call signature's graph issues, and how bad calls are refused.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import tpcompile  # noqa: E402
-from cache_models import CachedDecoder, greedy  # noqa: E402
-from tpcompile.runtime.collectives import count_collectives  # noqa: E402
+import tpcompile
+from tpcompile.runtime.collectives import count_collectives
+from zoo.cache_models import CachedDecoder, greedy
+from zoo.hf_models import hf_causal_lm, hf_prompt
 
 PROMPT, NEW = 5, 6
 
@@ -64,40 +60,11 @@ def static_cache(rank: int, world_size: int, cases: list) -> dict:
 
 # ----------------------------------------------------------------- Hugging Face generate
 
-def hf_causal_lm(name: str):
-    """Tiny random-init causal LMs (hidden 64, 2 layers, vocab 256), never downloaded."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    llama_like = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    if name == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
-                                                n_positions=64, resid_pdrop=0, embd_pdrop=0,
-                                                attn_pdrop=0))
-    # 8 query heads over 2 kv heads (GQA) or 1 (MQA): fewer kv heads than 4 ranks
-    heads = {"llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
-    if name in heads:
-        llama_like.update(num_attention_heads=heads[name][0], num_key_value_heads=heads[name][1])
-        name = "llama"
-    config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
-              "qwen3": tf.Qwen3Config}[name](**llama_like)
-    return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-            "mistral": tf.MistralForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[name](config)
-
-
-def _prompt():
-    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, :2] = 0  # left padding
-    return ids, mask
-
-
 def _hf_case(name: str, sample: bool = True) -> dict:
     """Greedy tokens, the cache and the collectives; with ``sample``, sampled tokens and a
     refused beam search too."""
     model = hf_causal_lm(name).eval()
-    ids, mask = _prompt()
+    ids, mask = hf_prompt()
     tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
     greedy_args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     sample_args = dict(attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=20,
@@ -133,7 +100,7 @@ def hf_generate(rank: int, world_size: int, names: list, train: bool = False,
 def train_then_generate(rank: int, world_size: int) -> dict:
     """Train the module and the unsharded model alike for 3 steps, then generate greedily."""
     model = hf_causal_lm("llama")
-    ids, mask = _prompt()
+    ids, mask = hf_prompt()
     tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
     args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     before = tp.generate(ids, **args).tolist()
@@ -174,7 +141,7 @@ def compiled_decode(rank: int, world_size: int) -> dict:
 def hf_compiled_generate(rank: int, world_size: int) -> dict:
     """Greedy ``tp.generate`` eagerly, then with its decode steps compiled (inductor)."""
     model = hf_causal_lm("llama").eval()
-    ids, mask = _prompt()
+    ids, mask = hf_prompt()
     tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
     args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     eager = tp.generate(ids, **args).tolist()

@@ -1,6 +1,6 @@
 """Rank-side bodies of ``test_lora.py``: frozen weights and LoRA adapters on gloo ranks.
 
-Each case parallelizes a model from ``tests/lora_models.py``, compares its outputs and every
+Each case parallelizes a model from ``zoo/lora_models.py``, compares its outputs and every
 gradient with the unsharded model, trains both for 3 AdamW steps and compares the merged
 weights (base + B @ A * scale; peft's ``merge_and_unload``) rebuilt from the gathered state.
 """
@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import tpcompile  # noqa: E402
-import lora_models  # noqa: E402
-from tpcompile.tools.numerics import compare, rel_err  # noqa: E402
+import tpcompile
+from tpcompile.tools.numerics import compare, rel_err
+from zoo import lora_models
 
 
 def _lora_case(name: str, rank: int) -> dict:

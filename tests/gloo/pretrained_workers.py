@@ -4,15 +4,10 @@ tokens, through ``tpcompile.from_pretrained`` and through the recipe it wraps (m
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import tpcompile  # noqa: E402
-from generation_workers import _prompt, hf_causal_lm  # noqa: E402
+import tpcompile
+from zoo.hf_models import hf_causal_lm, hf_prompt
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
 
@@ -47,14 +42,14 @@ def save_unsharded(directory: str) -> tuple[list, list]:
     own greedy tokens and RoPE table, which the ranks must reproduce from the directory."""
     model = hf_causal_lm("llama").eval()
     model.save_pretrained(directory, max_shard_size="100KB")
-    ids, mask = _prompt()
+    ids, mask = hf_prompt()
     return (model.generate(ids, attention_mask=mask, **GREEDY).tolist(),
             model.get_buffer("model.rotary_emb.inv_freq").tolist())
 
 
 def from_checkpoint(rank: int, world_size: int, directory: str, paths: list) -> dict:
     """Each of ``paths`` ("from_pretrained", "recipe") built from ``directory``: its report."""
-    ids, mask = _prompt()
+    ids, mask = hf_prompt()
     build = {"from_pretrained": lambda: tpcompile.from_pretrained(directory),
              "recipe": lambda: _meta_recipe(directory, ids, mask)}
     return {path: _report(build[path](), ids, mask) for path in paths}

@@ -10,22 +10,17 @@ as strings so one spawn serves many checks.
 from __future__ import annotations
 
 import copy
-import sys
 import traceback
 import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the model zoos below
-
-import catalogue_models  # noqa: E402
-import random_models  # noqa: E402
-import tpcompile  # noqa: E402
-from tpcompile.tools import models  # noqa: E402
-from tpcompile.tools.numerics import compare, rel_err  # noqa: E402
+import tpcompile
+from tpcompile.tools import models
+from tpcompile.tools.numerics import compare, rel_err
+from zoo import catalogue_models, random_models
 
 
 def numerics(model, tp, x) -> dict:

@@ -1,4 +1,4 @@
-"""Model code in the styles real projects use (tests/idioms.py), planned at Megatron's bound.
+"""Model code in the styles real projects use (zoo/idioms), planned at Megatron's bound.
 
 For each idiom the planner now handles, at 2 and 4 ranks: every weight takes the style the
 corpus expects, the largest rank holds no more than the ideal bytes (sharded weights / N +
@@ -10,17 +10,9 @@ measures the whole corpus (idioms still off the bound included) and writes
 bench/results/idioms.md.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "idioms.py"
-sys.path.insert(0, str(BENCH.parent))  # the bench scripts import each other by name
-_spec = importlib.util.spec_from_file_location("tpcompile_bench_idioms", BENCH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from bench import idioms as bench
 
 AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "rope_rotate_half": (2, 4),        # the baseline the planner was built against

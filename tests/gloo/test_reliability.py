@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import catalogue_models
-import random_models
 from tpcompile.tools.launch import run_on_ranks
+from zoo import catalogue_models, random_models
 
 pytestmark = pytest.mark.dist
 

@@ -15,6 +15,8 @@ from torch import nn
 import tpcompile
 from tpcompile.tools import models
 from tpcompile.tools.numerics import compare, rel_err, saved_activation_bytes
+from zoo.hf_models import hf_inputs, hf_model
+
 
 class UnruledOpAttention(nn.Module):
     """Explicit attention with an op tpcompile has no rule for on the head-sharded scores."""
@@ -353,43 +355,6 @@ def dropout(rank: int, world_size: int) -> dict:
 
 
 # ----------------------------------------------------------------- Hugging Face models
-
-def hf_model(name: str):
-    """Tiny random-init transformers models (never downloaded)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    small = dict(max_position_embeddings=64)
-    if name.startswith("llama"):
-        kv = {"llama": 2, "llama_mqa": 1, "llama_uneven": 2}[name]
-        vocab, inter = (50257, 11008) if name == "llama_uneven" else (128, 128)
-        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=inter,
-                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
-                             **small)  # use_cache stays True: tpcompile captures without it
-        return tf.LlamaForCausalLM(cfg)
-    if name == "mixtral":  # experts stacked in 3-D parameters, run by a grouped matmul
-        cfg = tf.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                               num_local_experts=4, num_experts_per_tok=2, **small)
-        return tf.MixtralForCausalLM(cfg)
-    if name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
-                            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0,
-                            eos_token_id=0)
-        return tf.GPT2LMHeadModel(cfg)
-    cfg = tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                        intermediate_size=128, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
-                        **small)
-    return tf.BertModel(cfg) if name == "bert_model" else tf.BertForMaskedLM(cfg)
-
-
-def hf_inputs(model) -> tuple[torch.Tensor, dict]:
-    """Token ids (2 x 16) and an attention mask that pads the second sequence."""
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[1, 12:] = 0
-    return ids, {"attention_mask": mask}
-
 
 def _hf_case(name: str, with_labels: bool) -> dict:
     model = hf_model(name).eval()

@@ -1,4 +1,4 @@
-"""Plans of decoders that own a static KV cache (tests/cache_models.py), without processes.
+"""Plans of decoders that own a static KV cache (zoo/cache_models.py), without processes.
 
 The cache buffers are stored sharded on their kv-head dim (each rank: kv_heads / N heads, or
 with fewer kv heads than ranks the one kv head its query heads read), the writes into them
@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-from cache_models import CachedDecoder
 from support import rewrite_ranks
 from tpcompile.runtime.collectives import count_collectives
+from zoo.cache_models import CachedDecoder
 
 LAYERS, HEADS = 2, 4
 

@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-import catalogue_models as cm
 from tpcompile import CaptureError
 from tpcompile.tools import models
 from tpcompile.core.capture import capture
 from tpcompile.core.capture_checks import custom_function_calls
+from zoo import catalogue_models as cm
 
 
 def _x():

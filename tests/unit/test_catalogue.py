@@ -11,7 +11,6 @@ import dataclasses
 import pytest
 import torch
 
-import catalogue_models as cm
 import tpcompile
 from tpcompile import CaptureError, InputError, PlanError
 from tpcompile.tools import models
@@ -21,6 +20,7 @@ from tpcompile.core.placement import Layout, Replicate, Shard
 from tpcompile.core.plan import Conversion
 from tpcompile.runtime.module import TPModule
 from tpcompile.runtime.vocab import check_ids, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from zoo import catalogue_models as cm
 
 
 def _x():

@@ -9,12 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROBE = Path(__file__).parents[1] / "determinism_probe.py"
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ROOT / "tests" / "determinism_probe.py"
+# what pyproject's pythonpath gives the tests: the model zoo (zoo/) and tests/support.py
+PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
 
 
 def test_plans_and_graphs_are_identical_across_processes_and_hash_seeds():
     procs = [subprocess.Popen([sys.executable, str(PROBE)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1",
+                                   "PYTHONPATH": PYTHONPATH})
              for seed in ("0", "4242")]
     outs = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)

@@ -1,5 +1,5 @@
 """The sweep's representative Hugging Face families, planned in CI (the full sweep runs outside
-it: ``python bench/hf_sweep.py --numerics``). Each is built from its own config shrunk to
+it: ``python -m bench.hf_sweep --numerics``). Each is built from its own config shrunk to
 hidden 64 and 2 layers, captured and planned at 2 ranks with meta-free tiny weights; its plan
 must sit at the Megatron bound as the sweep classifies it: every block weight Megatron shards
 sharded, parameters per rank at the ideal, no gathers or fallbacks, collectives per layer
@@ -8,19 +8,11 @@ weights counted)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("transformers")
+from bench import hf_sweep as sweep
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(BENCH))  # after tests/: bench/idioms.py must not shadow tests/idioms.py
-_spec = importlib.util.spec_from_file_location("tpcompile_bench_hf_sweep", BENCH / "hf_sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("family", sweep.REPRESENTATIVE)

@@ -1,4 +1,4 @@
-"""The idiom corpus (tests/idioms.py) runs, is captured exactly, and is planned.
+"""The idiom corpus (zoo/idioms) runs, is captured exactly, and is planned.
 
 Whether each plan reaches its Megatron bound is measured, not asserted, by bench/idioms.py
 (bench/results/idioms.md): the corpus is there to find what the planner misses.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import idioms
 from tpcompile import plan_model
+from zoo import idioms
 
 NAMES = list(idioms.IDIOMS)
 
@@ -29,7 +29,7 @@ def test_docs_support_table_has_a_row_per_idiom():
     text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     table = text[text.index("<!-- idiom-table:start -->"):text.index("<!-- idiom-table:end -->")]
     rows = re.findall(r"^\| `(\w+)` \|", table, re.M)
-    assert rows == NAMES, "rerun `python bench/idioms.py --numerics` to regenerate the table"
+    assert rows == NAMES, "rerun `python -m bench.idioms --numerics` to regenerate the table"
     assert set(idioms.STYLES) == set(NAMES)
 
 

@@ -14,8 +14,8 @@ import collections
 import pytest
 import torch
 
-import lora_models
 from tpcompile.inspect.explain import explain
+from zoo import lora_models
 
 pytest.importorskip("transformers")
 

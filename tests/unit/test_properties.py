@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import random_models
 from support import rewrite_ranks
 from tpcompile import TPCompileError
 from tpcompile.runtime.agreement import digest
 from tpcompile.tools.numerics import rel_err
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.runtime.module import TPModule
+from zoo import random_models
 
 
 def check_planning(spec: dict, world_size: int) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import idioms
 from tpcompile.tools import models
 from tpcompile.runtime import collectives as C
 from tpcompile.api import rewrite
 from tpcompile.inspect.trace import trace_rewrite
 from tpcompile.inspect.traffic import list_collectives
+from zoo import idioms
 
 
 def calls(gm, fn):

@@ -21,8 +21,8 @@ import pytest
 
 import tpcompile
 from tpcompile.tools import models
+from zoo.hf_models import hf_inputs, hf_model
 
-from support import workers
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
@@ -39,8 +39,8 @@ def _builtin(name):
 def _hf(name, labels=False):
     def build():
         pytest.importorskip("transformers")
-        model = workers.hf_model(name).eval()
-        ids, kwargs = workers.hf_inputs(model)
+        model = hf_model(name).eval()
+        ids, kwargs = hf_inputs(model)
         if labels:
             kwargs["labels"] = ids
         return model, (ids,), kwargs

@@ -313,7 +313,7 @@ def draw(n: int, seed: int, max_blocks: int = 4) -> list[dict]:
     return drawn
 
 
-CORPUS = Path(__file__).parent / "corpus"
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "corpus"
 
 
 def corpus() -> dict[str, dict]:

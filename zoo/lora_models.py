@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tpcompile.tools import models
+from zoo import hf_models
 
 RANK, ALPHA = 4, 8.0
 LLAMA_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -48,13 +49,11 @@ def with_lora(model: nn.Module, targets: tuple[str, ...]) -> nn.Module:
 
 def hf_llama() -> nn.Module:
     """The suite's tiny Hugging Face Llama (2 layers, 8 query / 2 KV heads, hidden 64)."""
-    from support import workers
-    return workers.hf_model("llama").eval()
+    return hf_models.hf_model("llama").eval()
 
 
 def hf_inputs(model) -> tuple[tuple, dict]:
-    from support import workers
-    ids, kwargs = workers.hf_inputs(model)
+    ids, kwargs = hf_models.hf_inputs(model)
     return (ids,), kwargs
 
 

@@ -1,0 +1,81 @@
+"""Tiny random-init Hugging Face transformers models (never downloaded), at the configs the
+tests and benchmarks share.
+
+``hf_model(name)`` and ``hf_inputs`` are the gloo numerics tests' models (tests/gloo/workers.py,
+the support table, LoRA, bench/communication.py); ``hf_causal_lm(name)`` and ``hf_prompt`` the
+generation tests' causal LMs (tests/gloo/generation_workers.py, pretrained_workers.py).
+transformers is imported when a model is built, so importing this module needs no transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["hf_model", "hf_inputs", "hf_causal_lm", "hf_prompt"]
+
+
+def hf_model(name: str):
+    """Tiny random-init transformers models (never downloaded)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(max_position_embeddings=64)
+    if name.startswith("llama"):
+        kv = {"llama": 2, "llama_mqa": 1, "llama_uneven": 2}[name]
+        vocab, inter = (50257, 11008) if name == "llama_uneven" else (128, 128)
+        cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=inter,
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
+                             **small)  # use_cache stays True: tpcompile captures without it
+        return tf.LlamaForCausalLM(cfg)
+    if name == "mixtral":  # experts stacked in 3-D parameters, run by a grouped matmul
+        cfg = tf.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                               num_local_experts=4, num_experts_per_tok=2, **small)
+        return tf.MixtralForCausalLM(cfg)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
+                            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0,
+                            eos_token_id=0)
+        return tf.GPT2LMHeadModel(cfg)
+    cfg = tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                        intermediate_size=128, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                        **small)
+    return tf.BertModel(cfg) if name == "bert_model" else tf.BertForMaskedLM(cfg)
+
+
+def hf_inputs(model) -> tuple[torch.Tensor, dict]:
+    """Token ids (2 x 16) and an attention mask that pads the second sequence."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    return ids, {"attention_mask": mask}
+
+
+def hf_causal_lm(name: str):
+    """Tiny random-init causal LMs (hidden 64, 2 layers, vocab 256), never downloaded."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    llama_like = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                n_positions=64, resid_pdrop=0, embd_pdrop=0,
+                                                attn_pdrop=0))
+    # 8 query heads over 2 kv heads (GQA) or 1 (MQA): fewer kv heads than 4 ranks
+    heads = {"llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
+    if name in heads:
+        llama_like.update(num_attention_heads=heads[name][0], num_key_value_heads=heads[name][1])
+        name = "llama"
+    config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
+              "qwen3": tf.Qwen3Config}[name](**llama_like)
+    return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+            "mistral": tf.MistralForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[name](config)
+
+
+def hf_prompt():
+    """Token ids (2 x 6) and an attention mask that left-pads the second sequence."""
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    return ids, mask
