@@ -6,6 +6,13 @@ planner marks such values here (``grad_syncs``: value -> the consumers that make
 partial); ``insert_collectives`` puts one ``copy_to_region`` in front of those consumers, and
 buckets the syncs of one block into one all-reduce. The sync moves up to where the sum can
 be taken once (a fork into experts, say), never past a value two carriers make.
+
+A root every rank holds whole (fewer kv heads than ranks: ``wk`` and ``wv`` whole everywhere)
+read from a replicated input with no conversion is replicated for gradients too
+(:func:`whole_roots`): each rank's gradient of ``k`` is partial (it attends with its own query
+heads), so it is summed at ``k`` itself, in the same all-reduce as the input's own sync, and
+the weight's gradient comes out whole. Summing the weight's gradient instead would cost a
+second all-reduce per block (fewer bytes when a step has more tokens than the model width).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.propagate import Propagation
 from tpcompile.passes.planner.rules import FRESH_BUFFERS
 
-__all__ = ["values_with_grad", "grad_syncs", "whole_grads_into_chunks", "partial_grads", "is_distributed"]
+__all__ = ["values_with_grad", "grad_syncs", "whole_grads_into_chunks", "partial_grads", "is_distributed",
+           "whole_roots"]
 
 
 def _floating(v) -> bool:
@@ -54,6 +62,30 @@ def is_distributed(p) -> bool:
     return any(x is not None and not isinstance(x, Replicate) for x in each(p))
 
 
+def whole_roots(gm: fx.GraphModule, state: Propagation) -> frozenset[str]:
+    """Roots whose every block is kept whole on every rank, entered only from replicated
+    values with no conversion: their values are replicated values for gradient syncs.
+
+    A root entered through a conversion (sequence parallelism's gather) is not: the
+    conversion's backward already sums the partial gradient it hands back.
+    """
+    roots = {name for name, spec in state.specs.roots.items() if spec.fully_replicated}
+    for node in gm.graph.nodes:
+        root = _root(state, node)
+        if root not in roots:
+            continue
+        for a in node.all_input_nodes:
+            if _root(state, a) != root and ((a, node) in state.conversions or is_distributed(
+                    state.placements.get(a))):
+                roots.discard(root)
+    return frozenset(roots)
+
+
+def _root(state: Propagation, node: fx.Node) -> str | None:
+    p = state.placements.get(node)
+    return p.layout.root if isinstance(p, Shard) else None
+
+
 def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, ...]]:
     """Replicated values some consumers differentiate only partially (per rank) -> those
     consumers, which read the value through one gradient all-reduce (Megatron's *f*).
@@ -66,11 +98,12 @@ def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, 
     routing weights) become one.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    copies = _copies_of_whole_chunks(gm, state, needs_grad)
+    whole = whole_roots(gm, state)
+    copies = _copies_of_whole_chunks(gm, state, needs_grad, whole)
     partial: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node in needs_grad and isinstance(state.placements.get(node), Replicate) and node not in copies:
-            users = [u for u in node.users if _partial_grad_edge(state, node, u)]
+        if node in needs_grad and _replicated(state, node, whole) and node not in copies:
+            users = [u for u in node.users if _partial_grad_edge(state, node, u, whole)]
             if users:
                 partial[node] = users
     for node in copies:  # their partial gradient reaches replicated inputs outside the region
@@ -79,7 +112,7 @@ def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, 
                     and isinstance(state.placements.get(a), Replicate)):
                 partial.setdefault(a, []).append(node)
     for node in reversed(gm.graph.nodes):
-        up = _hoisted_to(state, node, partial.get(node, ()), needs_grad)
+        up = _hoisted_to(state, node, partial.get(node, ()), needs_grad, whole)
         if up is not None:
             del partial[node]
             partial.setdefault(up, []).append(node)
@@ -87,20 +120,27 @@ def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, 
             for n in sorted(partial, key=order.__getitem__)}
 
 
-def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node) -> bool:
+def _replicated(state: Propagation, node: fx.Node, whole: frozenset[str]) -> bool:
+    return isinstance(state.placements.get(node), Replicate) or _root(state, node) in whole
+
+
+def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node,
+                       whole: frozenset[str] = frozenset()) -> bool:
     dst = state.conversions.get((value, user))
-    return isinstance(dst, Shard) or (dst is None and is_distributed(state.placements.get(user)))
+    if dst is not None:
+        return isinstance(dst, Shard) and dst.layout.root not in whole
+    return is_distributed(state.placements.get(user)) and _root(state, user) not in whole
 
 
-def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: set):
+def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: set,
+                whole: frozenset[str]):
     """The one replicated value ``node``'s partial gradient may be summed at, or None."""
     if not partial_users or node.op != "call_function":
         return None
     if any(u not in partial_users and (u in needs_grad or u.op == "output") for u in node.users):
         return None  # some consumer's gradient is whole on every rank: it must not be summed
     inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
-    if any(not isinstance(state.placements.get(a), Replicate) or (a, node) in state.conversions
-           for a in inputs):
+    if any(not _replicated(state, a, whole) or (a, node) in state.conversions for a in inputs):
         return None  # a gathered or reduced input: its backward is no plain VJP on each rank
     carriers = [a for a in inputs if a in needs_grad]
     if len(carriers) != 1 or carriers[0].op != "call_function":
@@ -108,7 +148,8 @@ def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: se
     return carriers[0]
 
 
-def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set) -> dict[fx.Node, bool]:
+def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
+                            whole: frozenset[str]) -> dict[fx.Node, bool]:
     """Replicated values computed, with no conversion, from a chunk kept whole on every rank
     (``require_whole``) or from such values -> whether every gradient they receive is partial.
 
@@ -122,11 +163,11 @@ def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set) -> dict[fx.
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(state.placements.get(node), Replicate):
             continue
-        if any((a, node) not in state.conversions and (a in copies or _whole_shard(state, a))
+        if any((a, node) not in state.conversions and (a in copies or _whole_shard(state, a, whole))
                for a in node.all_input_nodes):
             copies[node] = False
     for node in reversed(list(copies)):
-        copies[node] = all(_partial_grad_edge(state, node, u) or copies.get(u, False)
+        copies[node] = all(_partial_grad_edge(state, node, u, whole) or copies.get(u, False)
                            for u in node.users if u in needs_grad or u.op == "output")
     return copies
 
@@ -135,7 +176,8 @@ def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str
     """Roots of whole chunks a replicated value computed from them hands a gradient that is
     whole on every rank (read by replicated code that differentiates it): root -> why."""
     out = {}
-    copies = _copies_of_whole_chunks(gm, state, needs_grad)
+    whole = whole_roots(gm, state)
+    copies = _copies_of_whole_chunks(gm, state, needs_grad, whole)
     for node, partial in copies.items():
         if partial or node not in needs_grad:
             continue
@@ -146,7 +188,7 @@ def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str
                 if a in copies and a not in seen:
                     seen.add(a)
                     todo.append(a)
-                elif _whole_shard(state, a):
+                elif _whole_shard(state, a, whole):
                     out.setdefault(state.placements[a].layout.root, (
                         f"{node.name} ({origin(node)}) is computed from a chunk kept whole and "
                         "differentiated whole on every rank: the region's gradient sync would "
@@ -154,9 +196,10 @@ def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str
     return out
 
 
-def _whole_shard(state: Propagation, node: fx.Node) -> bool:
+def _whole_shard(state: Propagation, node: fx.Node, whole: frozenset[str]) -> bool:
+    """A whole chunk of a root that is cut elsewhere (a value of a whole root is replicated)."""
     p = state.placements.get(node)
-    return isinstance(p, Shard) and state.specs.is_full(p.layout)
+    return isinstance(p, Shard) and state.specs.is_full(p.layout) and p.layout.root not in whole
 
 
 def partial_grads(state: Propagation, value: fx.Node, user: fx.Node, dst) -> bool:

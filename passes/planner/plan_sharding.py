@@ -48,7 +48,7 @@ from tpcompile.passes.planner.rules import (
     LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, shard_map,
 )
 from tpcompile.passes.planner.grad_syncs import (
-    grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks,
+    grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks, whole_roots,
 )
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
@@ -497,7 +497,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
-    syncs = grad_syncs(gm, state, needs_grad)
+    syncs, whole = grad_syncs(gm, state, needs_grad), whole_roots(gm, state)
     params = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
@@ -505,7 +505,8 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         p = state.placements[node]
         style = _style(node, state)
         overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
-        grad_sync = node.target in cap.trainable and (node.name in syncs or overlapping)
+        pieces = overlapping and p.layout.root not in whole  # a whole root's gradient is whole
+        grad_sync = node.target in cap.trainable and (node.name in syncs or pieces)
         if style == "replicate" and isinstance(p, Shard):
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")

@@ -12,6 +12,7 @@ and commit the README with the new table (the diff shows what changed).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections import Counter
@@ -44,6 +45,7 @@ def _hf(name, labels=False):
         if labels:
             kwargs["labels"] = ids
         return model, (ids,), kwargs
+    build.case = (name, labels)  # the case tests/gloo/test_hf_models.py runs
     return build
 
 
@@ -89,14 +91,22 @@ def _options(options: dict) -> str:
     return ", ".join(k.removesuffix("_parallel") for k in options) or "-"
 
 
+@functools.cache
+def _reports() -> tuple:
+    """Per row of ROWS, its ``explain`` reports at 2 and 4 ranks."""
+    out = []
+    for _, build, options, _ in ROWS:
+        model, inputs, kwargs = build()
+        out.append(tuple(tpcompile.explain(model, inputs, ws, example_kwargs=kwargs, **options)
+                         for ws in (2, 4)))
+    return tuple(out)
+
+
 def render() -> str:
     lines = ["| model | options | sharded per layer (ranks 2) | per layer fwd / bwd, 2 ranks "
              "| per layer fwd / bwd, 4 ranks | outside layers, 4 ranks | numerics |",
              "|---|---|---|---|---|---|---|"]
-    for family, build, options, test in ROWS:
-        model, inputs, kwargs = build()
-        two, four = (tpcompile.explain(model, inputs, ws, example_kwargs=kwargs, **options)
-                     for ws in (2, 4))
+    for (family, _, options, test), (two, four) in zip(ROWS, _reports()):
         chains, layer2, _ = _cells(two)
         _, layer4, outside4 = _cells(four)
         lines.append(f"| {family} | {_options(options)} | {chains} | {layer2} | {layer4} "
@@ -115,3 +125,25 @@ def test_readme_support_table_is_the_measured_one():
     assert f"{START}\n{table}\n{END}" in text, (
         f"the README's support table is stale; the measured one is:\n{table}\n"
         "rerun with TPCOMPILE_UPDATE_README=1 to write it")
+
+
+@pytest.mark.parametrize("row", [r[0] for r in ROWS if "sequence_parallel" not in r[2]])
+def test_every_layer_is_at_megatrons_bound(row):
+    """No row pays more all-reduces per layer than Megatron's bound, which counts the model's
+    column -> row chains (one each way per chain), at 2 and 4 ranks. Sequence-parallel rows
+    trade each all-reduce for a gather and a reduce-scatter: their counts are the table's."""
+    for report in _reports()[[r[0] for r in ROWS].index(row)]:
+        for m in report.megatron:
+            if m.layer:
+                assert m.forward <= m.bound_forward, (report.world_size, m)
+                assert m.backward <= m.bound_backward, (report.world_size, m)
+
+
+def test_every_row_runs_at_2_and_4_ranks_in_ci():
+    """The README says each row's outputs and gradients are compared on 2- and 4-rank groups
+    in the named file: for Hugging Face rows, CI's 4-rank set must hold the row's case."""
+    pytest.importorskip("transformers")
+    from gloo.test_hf_models import AT_4_IN_CI
+    for family, build, _, test in ROWS:
+        if test == "test_hf_models":
+            assert build.case in AT_4_IN_CI, family
