@@ -14,8 +14,16 @@ import pytest
 
 from bench import idioms as bench
 
-AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
+AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom of the corpus)
     "rope_rotate_half": (2, 4),        # the baseline the planner was built against
+    "swiglu_linear": (2, 4),           # the plain SwiGLU MLP of the baseline
+    "rope_neox_partial": (2, 4),       # RoPE on the first part of each head only
+    "alibi": (2, 4),                   # ALiBi slopes per head, cut with the heads
+    "softmax_masked_fill": (2, 4),     # explicit softmax(q @ k^T) with masked_fill
+    "sdpa_padding_mask": (2, 4),       # SDPA with a boolean padding mask
+    # GQA by expand + reshape and by repeat_interleave, 4 kv heads
+    "gqa_expand_reshape": (2, 4),
+    "gqa_repeat_interleave": (2, 4),
     "rope_gptj_interleaved": (2, 4),   # x[..., 0::2] and stack(..., -1).flatten(-2)
     "rope_pair_stack": (2, 4),         # reshape(..., -1, 2) + stack + flatten(3)
     "einsum_qkv_3d": (2, 4),           # einsum("bld,dhk->blhk") on 3-D Parameters
@@ -60,6 +68,12 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound
     "qk_norm_autocast_off": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
+
+
+def test_every_idiom_of_the_corpus_is_asserted():
+    """The bench measures the whole corpus; CI asserts every idiom of it, none left out."""
+    from zoo import idioms
+    assert sorted(AT_BOUND) == sorted(idioms.IDIOMS)
 
 
 @pytest.mark.parametrize("name,world_size", CASES)
