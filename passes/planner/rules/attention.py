@@ -11,7 +11,7 @@ from torch import fx
 from tpcompile.core.placement import Layout, Replicate, Shard
 from tpcompile.runtime.rng import per_rank_sdpa
 from tpcompile.passes.planner.dims import merge_layout, shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 
 aten = torch.ops.aten

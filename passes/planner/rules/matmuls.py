@@ -1,6 +1,6 @@
 """Matmuls: ``linear``, ``matmul`` / ``mm`` / ``bmm``, ``einsum``, grouped (expert) matmuls and
 convolutions, each labelled for :func:`einsum_rule`. Their parameter operands may start a
-column-parallel root (``PARAM_MATMULS``)."""
+column-parallel root (their rules' ``matmul``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from torch import fx
 
 from tpcompile.core.placement import Shard
 from tpcompile.passes.planner.dims import shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import _replicate_all, einsum_rule
 
 aten = torch.ops.aten
 
 
-@register(aten.linear.default, matmul=True)
+@register(aten.linear.default, matmul=True, weight_out_first=True)
 def _linear(op):
     x, w = op.node.args[0], op.node.args[1]
     n = len(shape(x))

@@ -16,7 +16,7 @@ from tpcompile.passes.planner.dims import (
     tile_layout, untile_layout, val, view_groups,
 )
 from tpcompile.passes.planner.mutations import written_args
-from tpcompile.passes.planner.rules import is_view, register
+from tpcompile.passes.planner.rules.table import is_view, register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 
 aten = torch.ops.aten

@@ -9,7 +9,7 @@ from torch import fx
 from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import _replicate_all
 
 aten = torch.ops.aten
@@ -31,7 +31,7 @@ def _contiguous(op, layout) -> bool:
     return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
 
 
-@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local),
+@register(aten.embedding.default, lookup=True, localize=lambda node, local: _localize_embedding(node, local),
           carries=lambda node, p: Shard(len(shape(node)) - 1, p.layout) if p.dim == 1 else None)
 def _embedding(op):
     """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros).
