@@ -27,23 +27,25 @@ the package imports it:
 - ``attention``: ``scaled_dot_product_attention``
 - ``reductions``: sums, means, max / var / topk, softmax, norms, cumulative sums
 - ``views``: shape ops (view, transpose, permute, slice, split, unbind, getitem, cat)
+- ``dim_maps``: where each shape op puts a shard of its input (its rule's ``maps``)
 - ``vocabulary``: vocabulary-parallel embedding and cross entropy
 """
 
 from tpcompile.passes.planner.rules.table import (
-    RULES, TAGGED, Rule, flops_of, is_lookup, is_param_matmul, is_view, keeps_values, register,
+    RULES, TAGGED, Rule, flops_of, is_lookup, is_param_matmul, is_attention, is_view, register,
     rule_for, rule_for_target, shard_map, viewed_from, weight_out_first,
 )
 from tpcompile.passes.planner.rules import (  # each registers its rules into the table
     einsum, pointwise, writes, matmuls, indexing, attention, reductions, views, vocabulary,
 )
 from tpcompile.passes.planner.rules.einsum import einsum_rule
+from tpcompile.passes.planner.rules.matmuls import contraction_flops
 from tpcompile.passes.planner.rules.writes import (
     FRESH_BUFFERS, SCATTERS, cache_behind, value_of_write,
 )
 
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target", "is_view",
            "viewed_from", "shard_map", "is_param_matmul", "is_lookup", "weight_out_first",
-           "keeps_values", "flops_of", "einsum_rule", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
+           "is_attention", "flops_of", "einsum_rule", "contraction_flops", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
            "value_of_write", "einsum", "pointwise", "writes", "matmuls", "indexing", "attention",
            "reductions", "views", "vocabulary"]

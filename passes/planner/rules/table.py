@@ -20,7 +20,7 @@ from tpcompile.passes.planner.rules.einsum import _tensor_args
 
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
-           "is_param_matmul", "is_lookup", "weight_out_first", "keeps_values", "flops_of"]
+           "is_param_matmul", "is_lookup", "weight_out_first", "is_attention", "flops_of"]
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,10 @@ class Rule:
       parallel).
     - ``weight_out_first``: its weight is stored (out features, in features), so a column cut
       splits dim 0 (``linear``).
-    - ``keeps_values``: the output holds values of the first input, moved, copied, selected
-      or cast but not computed (token ids stay token ids through it).
-    - ``flops(node)``: the multiply-adds of one call, for the cost model (None: negligible).
+    - ``attention``: scaled-dot-product attention, ``(query, key, value, ...)``: its key and
+      value are what a KV cache holds.
+    - ``flops(node)``: ``(FLOPs, operands)`` of one whole call, for the cost model: the
+      operands whose shard divides them (None: not counted, as elementwise ops and norms).
     """
     propagate: Callable
     localize: Callable | None = None
@@ -58,7 +59,7 @@ class Rule:
     matmul: bool = False
     lookup: bool = False
     weight_out_first: bool = False
-    keeps_values: bool = False
+    attention: bool = False
     flops: Callable | None = None
 
 
@@ -148,12 +149,13 @@ def weight_out_first(node: fx.Node) -> bool:
     return bool(_fact(node, "weight_out_first"))
 
 
-def keeps_values(node: fx.Node) -> bool:
-    """Its output holds its first input's values, not values it computed."""
-    return bool(_fact(node, "keeps_values"))
+def is_attention(node: fx.Node) -> bool:
+    """Scaled-dot-product attention: ``args[1:3]`` are its key and value."""
+    return bool(_fact(node, "attention"))
 
 
-def flops_of(node: fx.Node) -> int:
-    """Multiply-adds of one call of ``node`` (0 for ops the cost model neglects)."""
+def flops_of(node: fx.Node) -> tuple[float, list[fx.Node]]:
+    """The whole (unsharded) FLOPs of one call of ``node`` and the operands whose shard divides
+    them; (0, []) for an op the cost model does not count."""
     count = _fact(node, "flops")
-    return count(node) if count is not None else 0
+    return count(node) if count is not None else (0.0, [])
