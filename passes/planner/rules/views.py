@@ -90,43 +90,58 @@ def _dim_op(op):
     return mapped
 
 
-def _localize_dim_op(node, local):
-    if node.target in VIEWS or node.target is aten.expand.default:
-        _local_shape_arg(1)(node, local)
-    elif node.target is aten.unflatten.int and local.input_sharded_on(node, node.args[1]):
-        # the shard lands on the first of the unflattened sizes; shards of other dims change none
+def _localize_unflatten(node, local):
+    """The shard lands on the first of the unflattened sizes; shards of other dims change none."""
+    if local.input_sharded_on(node, node.args[1]):
         sizes = list(node.args[2])
         (p,) = local.out_placements(node)
         sizes[0] = local.local_size(p)
         local.set_arg(node, 2, sizes)
-    elif (node.target is aten.repeat_interleave.self_int and node.kwargs.get("output_size") is not None
-          and len(node.args) > 2 and local.input_sharded_on(node, node.args[2])):
-        # the repeated dim is the rank's: so is the size the caller promised for it
+
+
+def _localize_interleave(node, local):
+    """The repeated dim is the rank's: so is the ``output_size`` the caller promised for it."""
+    if (node.kwargs.get("output_size") is not None and len(node.args) > 2
+            and local.input_sharded_on(node, node.args[2])):
         (p,) = local.out_placements(node)
         node.kwargs = {**node.kwargs, "output_size": local.local_size(p)}
-    elif node.target in SQUEEZES and isinstance(local.consumed(node.args[0], node), Shard):
-        # a rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims
-        # that are 1 long in the whole tensor
-        x = node.args[0]
-        n = len(shape(x))
-        asked = node.args[1] if len(node.args) > 1 else range(n)
-        asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
-        dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
-        local.replace_target(node, aten.squeeze.dims, (x, dims))
-    elif node.target is aten.slice.Tensor and slice_step(node) == 1 and local.input_sharded_on(
+
+
+def _localize_squeeze(node, local):
+    """A rank's shard can be 1 long (5 rows over 3 ranks: 2, 2, 1): squeeze only the dims that
+    are 1 long in the whole tensor."""
+    if not isinstance(local.consumed(node.args[0], node), Shard):
+        return
+    x = node.args[0]
+    n = len(shape(x))
+    asked = node.args[1] if len(node.args) > 1 else range(n)
+    asked = [norm_dim(d, n) for d in (asked if isinstance(asked, (list, tuple, range)) else [asked])]
+    dims = [d for d in asked if isinstance(shape(x)[d], int) and shape(x)[d] == 1]
+    local.replace_target(node, aten.squeeze.dims, (x, dims))
+
+
+def _localize_slice(node, local):
+    """A whole-dim slice keeps the rank's shard; a chunk's bounds become the rank's part of it
+    (a strided one over the whole dim runs as it is: ``[s::k]`` of each rank's block)."""
+    if slice_step(node) != 1 or not local.input_sharded_on(
             node, node.args[1] if len(node.args) > 1 else 0):
-        # a whole-dim slice keeps the rank's shard; a chunk's bounds become the rank's part of it
-        # (a strided one over the whole dim runs as it is: [s::k] of each rank's block)
-        p, (out,) = local.consumed(node.args[0], node), local.out_placements(node)
-        start, _ = slice_bounds(node, p.layout.size)
-        node.args = tuple(node.args) + (0, None, None)[len(node.args) - 1:]
-        before = local.local_size(Shard(p.dim, sub_layout(p.layout, 0, start))) if start else 0
-        local.set_arg(node, 2, before)
-        local.set_arg(node, 3, before + local.local_size(out))
+        return
+    p, (out,) = local.consumed(node.args[0], node), local.out_placements(node)
+    start, _ = slice_bounds(node, p.layout.size)
+    node.args = tuple(node.args) + (0, None, None)[len(node.args) - 1:]
+    before = local.local_size(Shard(p.dim, sub_layout(p.layout, 0, start))) if start else 0
+    local.set_arg(node, 2, before)
+    local.set_arg(node, 3, before + local.local_size(out))
 
 
-for _target, _map in DIM_MAPS.items():  # one propagation and localization, a map per op
-    register(_target, maps=_map, localize=_localize_dim_op)(_dim_op)
+# the shape constants a shard changes, per op (transposes, permutes, selects change none)
+_LOCALIZE = {
+    **dict.fromkeys(VIEWS + (aten.expand.default,), _local_shape_arg(1)),
+    aten.unflatten.int: _localize_unflatten, aten.repeat_interleave.self_int: _localize_interleave,
+    **dict.fromkeys(SQUEEZES, _localize_squeeze), aten.slice.Tensor: _localize_slice,
+}
+for _target, _map in DIM_MAPS.items():  # one propagation; a map and a localization per op
+    register(_target, maps=_map, localize=_LOCALIZE.get(_target))(_dim_op)
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
