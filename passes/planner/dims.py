@@ -15,7 +15,7 @@ from torch import fx
 
 from tpcompile.core.placement import Demand, Layout, Misaligned
 
-__all__ = ["val", "shape", "size_expr", "view_groups", "split_layout", "merge_layout", "sub_layout",
+__all__ = ["val", "shape", "hinted_shape", "size_expr", "view_groups", "split_layout", "merge_layout", "sub_layout",
            "chunk_layout", "tile_layout", "untile_layout", "norm_dim"]
 
 
@@ -29,6 +29,11 @@ def val(arg):
 def shape(arg) -> tuple:
     v = val(arg)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def hinted_shape(arg) -> tuple:
+    """The sizes of ``arg`` as ints (a symbolic size at its example value); () for non-tensors."""
+    return tuple(int(s) for s in shape(arg))
 
 
 def size_expr(s):

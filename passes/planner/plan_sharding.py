@@ -45,7 +45,7 @@ from tpcompile.core.placement import Misaligned, Partial, Replicate, Shard, Spec
 from tpcompile.core.plan import Conversion, ParamPlan, PlanOptions, ShardingPlan
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import (
-    LOOKUPS, OUT_FEATURES_FIRST, PARAM_MATMULS, cache_behind, shard_map,
+    cache_behind, is_lookup, is_param_matmul, shard_map, weight_out_first,
 )
 from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks, whole_roots,
@@ -371,7 +371,7 @@ def _tables_to_follow(gm: fx.GraphModule, state: Propagation) -> set[str]:
     for root in state.roots:
         w = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == root), None)
         for user in (w.users if w is not None else ()):
-            if user.target in LOOKUPS and not isinstance(
+            if is_lookup(user) and not isinstance(
                     _consumed(state, w, user), Shard):
                 out.add(root)
     return out
@@ -381,7 +381,7 @@ def _stale_ties(state: Propagation, constraints) -> dict[str, str]:
     """Tied tables whose matmul no longer shards them (its region refused for another reason):
     a vocabulary-parallel lookup alone would follow a cut no matmul makes."""
     return {root: "its tied table's matmul keeps it whole" for root in constraints.tied
-            if root in state.roots and all(u.target in LOOKUPS for u in state.root_users.get(root, ()))}
+            if root in state.roots and all(is_lookup(u) for u in state.root_users.get(root, ()))}
 
 
 
@@ -457,7 +457,7 @@ def _style(node: fx.Node, state: Propagation) -> str:
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
     users = view_chain(node)[-1].users
-    if p.dim == 0 and any(u.target in LOOKUPS for u in users):  # a table cut by rows
+    if p.dim == 0 and any(is_lookup(u) for u in users):  # a table cut by rows
         return "vocab"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"
@@ -481,13 +481,13 @@ def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str]
     if len(users) > 1:
         return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
     user = users[0] if users else None
-    if user is not None and user.target in OUT_FEATURES_FIRST and shape(node)[0] < ws:
+    if user is not None and weight_out_first(user) and shape(node)[0] < ws:
         return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
     partial = user is not None and isinstance(state.placements.get(user), Partial)
-    if partial and user.target in PARAM_MATMULS:
+    if partial and is_param_matmul(user):
         return (f"{user.name} reads a partial sum: each rank applies the whole weight to its "
                 "part, before the one all-reduce")
-    if user is not None and user.target in PARAM_MATMULS:
+    if user is not None and is_param_matmul(user):
         return "its matmul's input is not sharded on a dim it can split"
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
 

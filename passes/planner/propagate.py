@@ -28,7 +28,6 @@ from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules import is_view, rule_for, shard_map
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
            "local_slice"]

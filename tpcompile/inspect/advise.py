@@ -28,12 +28,11 @@ from tpcompile.inspect.explain_text import table
 from tpcompile.inspect.plan_svg import human_bytes
 from tpcompile.inspect.trace import RewriteTrace, trace_rewrite
 from tpcompile.inspect.traffic import list_collectives
-from tpcompile.passes.planner.rules import is_view, viewed_from
+from tpcompile.passes.planner.rules import is_attention, is_view, viewed_from
 
 __all__ = ["DegreeEstimate", "Advice", "advise", "SCHEMA"]
 
 SCHEMA = "tpcompile.advise/1"
-ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def _activations(trace: RewriteTrace) -> tuple[int, int, float]:
         whole, operands = matmul_flops(node)
         if whole:
             flops += whole * min(_share(a, node, trace) for a in operands)
-        if node.target is ATTENTION:
+        if is_attention(node):
             kv += sum(_cached(_share(a, node, trace) * _local_bytes(a.meta["val"], None, trace), a,
                               trace) for a in node.args[1:3])
     return act, int(kv), flops

@@ -19,7 +19,7 @@ from tpcompile.core.capture import module_path
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
-from tpcompile.passes.planner.rules import PARAM_MATMULS
+from tpcompile.passes.planner.rules import is_param_matmul
 
 __all__ = ["Chain", "find_chains", "layer_of"]
 
@@ -127,7 +127,7 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan) -> Chain:
             for user in weight.users:
                 if entry.style == "rowwise" and user.name not in exits:
                     exits.append(user.name)
-                if entry.style == "colwise" and user.target in PARAM_MATMULS:
+                if entry.style == "colwise" and is_param_matmul(user):
                     entries.extend(a.name for a in user.all_input_nodes  # the activations
                                    if a is not weight and a.op != "get_attr" and a.name not in entries)
     params = by_style["colwise"] + by_style["rowwise"] + by_style["replicate"]

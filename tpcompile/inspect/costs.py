@@ -24,11 +24,12 @@ Stated once here, printed by every ``advise`` run and documented in docs/visuali
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import fx
+
+from tpcompile.passes.planner.rules import contraction_flops, flops_of
 
 __all__ = ["Device", "DEVICES", "CostModel", "matmul_flops", "ring", "ring_seconds", "peak_flops"]
 
@@ -119,26 +120,14 @@ def ring_seconds(moved: float, steps: int, cost: CostModel) -> float:
     return moved / link + steps * cost.step_latency
 
 
-_CONTRACTIONS = {aten.linear.default: 0, aten.matmul.default: 0, aten.mm.default: 0,
-                 aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1}
-_ATTENTION = {aten.scaled_dot_product_attention.default}
-
-
-def _shape(node) -> tuple:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else ()
+# the FLOPs of the ops with a rule are their rules' ``flops``; addmm with beta / alpha (split_bias
+# leaves those) and baddbmm (BLOOM's alibi scores) have none to carry them: the planner gathers
+# or decomposes them
+_UNRULED = {aten.addmm.default: contraction_flops(1), aten.baddbmm.default: contraction_flops(1)}
 
 
 def matmul_flops(node: fx.Node) -> tuple[float, list[fx.Node]]:
     """The whole (unsharded) forward FLOPs of ``node`` and the operands whose sharding divides
     them; (0, []) for an op the model does not count."""
-    if node.target in _CONTRACTIONS:
-        first = node.args[_CONTRACTIONS[node.target]]
-        k = _shape(first)[-1] if _shape(first) else 0
-        operands = [a for a in node.args[_CONTRACTIONS[node.target]:][:2] if isinstance(a, fx.Node)]
-        return 2.0 * math.prod(_shape(node)) * k, operands
-    if node.target in _ATTENTION:
-        q, key = node.args[0], node.args[1]
-        lk = _shape(key)[-2] if len(_shape(key)) >= 2 else 0
-        return 2.0 * lk * (math.prod(_shape(q)) + math.prod(_shape(node))), [q]
-    return 0.0, []
+    count = _UNRULED.get(node.target)
+    return count(node) if count is not None else flops_of(node)

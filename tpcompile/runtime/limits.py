@@ -29,16 +29,21 @@ from torch.utils._sympy.numbers import int_oo
 
 from tpcompile.errors import InputError
 
-__all__ = ["Limit", "TokenTable", "dim_limits", "token_tables", "check_tokens"]
+__all__ = ["Limit", "TokenTable", "SAME_VALUES", "dim_limits", "token_tables", "check_tokens"]
 
 EXPORT_FLOOR = 2  # export assumes symbolic sizes >= 2 (0/1 specialisation); not a model limit
 _aten = torch.ops.aten
-# ops that only move or relabel the elements of their first argument: ids reach the table as is
-_SAME_VALUES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
-                _aten.flatten.using_ints, _aten.unsqueeze.default, _aten.squeeze.dim,
-                _aten.squeeze.default, _aten.clone.default, _aten.contiguous.default,
-                _aten.permute.default, _aten.transpose.int, _aten.t.default, _aten.alias.default,
-                _aten.detach.default, _aten.expand.default}
+# ops whose output holds values of their first argument, moved, copied, sliced or cast but not
+# computed: an input's token ids reach a table through them as ids. The fact is the runtime's
+# (the input check below follows it through the graph a call runs, layers under the rule
+# table); the planner's vocabulary rule asks the same question of the same set
+SAME_VALUES = frozenset({
+    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
+    _aten.flatten.using_ints, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.default,
+    _aten.clone.default, _aten.contiguous.default, _aten.permute.default, _aten.transpose.int,
+    _aten.t.default, _aten.alias.default, _aten.detach.default, _aten.expand.default,
+    _aten.slice.Tensor, _aten._to_copy.default,
+})
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def token_tables(gm: fx.GraphModule) -> tuple[TokenTable, ...]:
 
 
 def _input_behind(ids: fx.Node) -> fx.Node:
-    while ids.op == "call_function" and ids.target in _SAME_VALUES:
+    while ids.op == "call_function" and ids.target in SAME_VALUES:
         ids = ids.args[0]
     return ids
 

@@ -3,6 +3,7 @@ heads kept with their query heads."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -10,8 +11,8 @@ from torch import fx
 
 from tpcompile.core.placement import Layout, Replicate, Shard
 from tpcompile.runtime.rng import per_rank_sdpa
-from tpcompile.passes.planner.dims import merge_layout, shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.dims import hinted_shape, merge_layout, shape
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 
 aten = torch.ops.aten
@@ -26,7 +27,16 @@ def _localize_sdpa(node, local):
         node.kwargs = {**node.kwargs, "rank": local.rank}
 
 
-@register(aten.scaled_dot_product_attention.default, localize=_localize_sdpa)
+def _sdpa_flops(node: fx.Node) -> tuple[float, list[fx.Node]]:
+    """2·Lk·(numel(q) + numel(out)): the scores and their product with v, no causal discount;
+    a shard of q (its heads) divides them."""
+    q, key = node.args[0], node.args[1]
+    lk = hinted_shape(key)[-2] if len(hinted_shape(key)) >= 2 else 0
+    return 2.0 * lk * (math.prod(hinted_shape(q)) + math.prod(hinted_shape(node))), [q]
+
+
+@register(aten.scaled_dot_product_attention.default, localize=_localize_sdpa, attention=True,
+          flops=_sdpa_flops)
 def _sdpa(op):
     """Heads are independent: q, k, v sharded alike on dim 1 keep the output sharded.
 

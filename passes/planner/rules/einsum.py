@@ -22,16 +22,46 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
     With sequence parallelism, replicated and partial activations are put on sequence shards
     (partial ones by a reduce-scatter) and column-parallel matmuls gather their input first.
     """
+    sharded, partial = _placed(op, operands)
+    seq = op.sequence_label(out_labels)
+    if not sharded:
+        start = _unsharded(op, operands, out_labels, linear, matmul, partial, seq)
+        if not isinstance(start, list):
+            return start
+        sharded = start
+    label = _kept_label(sharded, operands, out_labels)
+    if label is None:  # sharded along a dim the op does not map (e.g. a broadcast size-1 dim)
+        for arg, _ in operands:
+            op.require(arg, Replicate())
+        return Replicate()
+    if label == seq and all(lab == seq for _, lab, _ in sharded):
+        column = op.gather_for_column(operands, out_labels) if matmul else None  # Megatron-SP
+        if column is not None:
+            return column
+    kept = next(lay for _, lab, lay in sharded if lab == label)
+    _gather_other_labels(op, operands, sharded, label, kept)
+    same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label and i is not None]
+    target = op.unify(same) if same else kept
+    return _output(op, operands, out_labels, linear, partial, same, label, target)
+
+
+def _placed(op, operands):
+    """The operands' shards as (index, label, layout) (only shards whole on every rank, which
+    follow the others' cut, when there are no others) and the indices of partial ones."""
     sharded, partial, whole = [], [], []
     for i, (arg, labels) in enumerate(operands):
         p = op.placement(arg)
-        if isinstance(p, Shard):  # a shard whole on every rank follows the others' cut
+        if isinstance(p, Shard):
             (whole if op.specs.is_full(p.layout) else sharded).append((i, labels[p.dim], p.layout))
         elif isinstance(p, Partial):
             partial.append(i)
-    sharded = sharded or whole
-    seq = op.sequence_label(out_labels)
-    if partial and not sharded:
+    return sharded or whole, partial
+
+
+def _unsharded(op, operands, out_labels, linear, matmul, partial, seq):
+    """No operand is sharded: the output's placement, or (a list) the sequence shards the
+    partial or replicated activations are put on under sequence parallelism."""
+    if partial:
         if linear == "add" and len(partial) == len([o for o in operands if op.is_tensor(o[0])]):
             return Partial()
         if linear in ("mul", "unary") and len(partial) == 1:
@@ -40,22 +70,15 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
             for i in partial:
                 op.require(operands[i][0], Replicate())
             return Replicate()
-        sharded = [(i, seq, op.sequence_layout()) for i in partial]  # reduce-scatter them
-    if not sharded:
-        column = op.maybe_column_parallel(operands, out_labels) if matmul else None
-        if column is not None or seq is None:
-            return column or Replicate()
-        sharded = [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
-    label = _kept_label(sharded, operands, out_labels)
-    if label is None:  # sharded along a dim the op does not map (e.g. a broadcast size-1 dim)
-        for arg, _ in operands:
-            op.require(arg, Replicate())
-        return Replicate()
-    if label == seq and len(sharded) == len([s for s in sharded if s[1] == seq]):
-        column = op.gather_for_column(operands, out_labels) if matmul else None  # Megatron-SP
-        if column is not None:
-            return column
-    kept = next(lay for _, lab, lay in sharded if lab == label)
+        return [(i, seq, op.sequence_layout()) for i in partial]  # reduce-scatter them
+    column = op.maybe_column_parallel(operands, out_labels) if matmul else None
+    if column is not None or seq is None:
+        return column or Replicate()
+    return [(None, seq, op.sequence_layout())]  # replicated activation -> sequence shards
+
+
+def _gather_other_labels(op, operands, sharded, label, kept):
+    """Operands sharded on another label than the one kept are gathered."""
     for i, lab, layout in sharded:
         if lab == label:
             continue
@@ -65,8 +88,11 @@ def einsum_rule(op, operands, out_labels, linear=None, matmul=False):
             op.require_whole(f"{operands[i][0].name} is cut on another dim than "
                              f"{op.node.name}'s other operands", layout)
         op.require(operands[i][0], Replicate())
-    same = [(operands[i][0], layout) for i, lab, layout in sharded if lab == label and i is not None]
-    target = op.unify(same) if same else kept
+
+
+def _output(op, operands, out_labels, linear, partial, same, label, target):
+    """The output of operands cut on ``label`` with ``target``: sharded where the output keeps
+    the label, a partial sum where the op is linear in a label it sums over, else whole."""
     contracted = label not in out_labels
     if (contracted and linear == "mul" and len(same) > 1
             and all(op.is_chunk(lay) and op.param_behind(a) is None for a, lay in same)):

@@ -8,7 +8,7 @@ from torch import fx
 
 from tpcompile.core.placement import Shard
 from tpcompile.passes.planner.dims import norm_dim, shape, size_expr, val
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 
 aten = torch.ops.aten

@@ -1,21 +1,33 @@
 """Matmuls: ``linear``, ``matmul`` / ``mm`` / ``bmm``, ``einsum``, grouped (expert) matmuls and
 convolutions, each labelled for :func:`einsum_rule`. Their parameter operands may start a
-column-parallel root (``PARAM_MATMULS``)."""
+column-parallel root (their rules' ``matmul``)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import fx
 
 from tpcompile.core.placement import Shard
-from tpcompile.passes.planner.dims import shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.dims import hinted_shape, shape
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import _replicate_all, einsum_rule
 
 aten = torch.ops.aten
 
 
-@register(aten.linear.default, matmul=True)
+def contraction_flops(first: int):
+    """2·M·N·K of a matmul whose two operands start at ``args[first]`` (K: the first operand's
+    last dim, M·N: the output's elements); either operand's shard divides them."""
+    def flops(node: fx.Node) -> tuple[float, list[fx.Node]]:
+        a = hinted_shape(node.args[first])
+        operands = [x for x in node.args[first:first + 2] if isinstance(x, fx.Node)]
+        return 2.0 * math.prod(hinted_shape(node)) * (a[-1] if a else 0), operands
+    return flops
+
+
+@register(aten.linear.default, matmul=True, weight_out_first=True, flops=contraction_flops(0))
 def _linear(op):
     x, w = op.node.args[0], op.node.args[1]
     n = len(shape(x))
@@ -45,7 +57,8 @@ def _matmul_labels(sa, sb):
     return a, b, out
 
 
-@register(aten.matmul.default, aten.mm.default, aten.bmm.default, matmul=True)
+@register(aten.matmul.default, aten.mm.default, aten.bmm.default, matmul=True,
+          flops=contraction_flops(0))
 def _matmul(op):
     x, w = op.node.args[0], op.node.args[1]
     a, b, out = _matmul_labels(shape(x), shape(w))

@@ -1,7 +1,7 @@
 """Elementwise ops: pointwise math, casts, dropout, division, and their in-place variants.
 
 Also the rule :func:`tpcompile.passes.planner.rules.rule_for_target` gives any other op torch
-tags pointwise (``_TAGGED_POINTWISE``).
+tags pointwise (``TAGGED[torch.Tag.pointwise]``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import fx
 from tpcompile.core.placement import Partial, Shard
 from tpcompile.runtime.rng import sharded_dropout
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.rules import RULES, Rule, register
+from tpcompile.passes.planner.rules.table import RULES, TAGGED, Rule, register
 from tpcompile.passes.planner.rules.einsum import _broadcast_labels, _tensor_args, einsum_rule
 from tpcompile.passes.planner.rules.writes import _in_place
 
@@ -48,8 +48,8 @@ POINTWISE = [
     aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
 ]
 register(*UNARY_LINEAR, elementwise=True)(_pointwise("unary"))
-# rule_for_target: ops torch tags pointwise (and not random)
-_TAGGED_POINTWISE = Rule(_pointwise(None), elementwise=True)
+# rule_for_target: any other op torch tags pointwise (and not random)
+TAGGED[torch.Tag.pointwise] = Rule(_pointwise(None), elementwise=True)
 
 
 @register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,

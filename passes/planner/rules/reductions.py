@@ -11,7 +11,7 @@ import torch
 from tpcompile.core.placement import Partial, Shard
 from tpcompile.runtime.partial import mean_term
 from tpcompile.passes.planner.dims import norm_dim, shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import _tensor_args, einsum_rule
 
 aten = torch.ops.aten

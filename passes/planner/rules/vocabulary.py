@@ -7,22 +7,18 @@ import torch
 from torch import fx
 
 from tpcompile.core.placement import Partial, Replicate, Shard
+from tpcompile.runtime.limits import SAME_VALUES
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import shape
-from tpcompile.passes.planner.rules import register
+from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import _replicate_all
 
 aten = torch.ops.aten
 
 
-_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-               aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.clone.default,
-               aten.contiguous.default, aten.expand.default, aten._to_copy.default}
-
-
 def _from_inputs(node) -> bool:
     """Indices that come from the caller (token ids), not computed in the model (positions)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SHAPE_ONLY:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in SAME_VALUES:
         node = node.args[0]
     return isinstance(node, fx.Node) and node.op == "placeholder"
 
@@ -31,7 +27,7 @@ def _contiguous(op, layout) -> bool:
     return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
 
 
-@register(aten.embedding.default, localize=lambda node, local: _localize_embedding(node, local),
+@register(aten.embedding.default, lookup=True, localize=lambda node, local: _localize_embedding(node, local),
           carries=lambda node, p: Shard(len(shape(node)) - 1, p.layout) if p.dim == 1 else None)
 def _embedding(op):
     """A table sharded by vocabulary rows gives a Partial lookup (ids elsewhere read zeros).

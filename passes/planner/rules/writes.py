@@ -13,7 +13,7 @@ from torch import fx
 
 from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.passes.planner.dims import norm_dim, shape, val
-from tpcompile.passes.planner.rules import RULES, Rule, is_view, register
+from tpcompile.passes.planner.rules.table import RULES, Rule, is_view, register
 from tpcompile.passes.planner.rules.einsum import (
     _broadcast_labels, _replicate_all, _tensor_args, einsum_rule,
 )

@@ -1,0 +1,161 @@
+"""The table itself: :class:`Rule`, ``RULES``, :func:`register` and the look-ups.
+
+Everything tpcompile knows about an ATen op is a field of its rule, so the rule modules
+(``views``, ``matmuls``, ...) import :func:`register` from here and every other module asks
+through the accessors below (:func:`rule_for`, :func:`is_param_matmul`, ...). Keeping the table
+apart from the package's ``__init__`` lets the rule modules import it in any order: nothing
+here depends on which of them has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+
+from tpcompile.passes.planner.dims import shape
+from tpcompile.passes.planner.rules.einsum import _tensor_args
+
+__all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
+           "is_view", "viewed_from", "shard_map",
+           "is_param_matmul", "is_lookup", "weight_out_first", "is_attention", "flops_of"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How an op propagates placements (``propagate``) and rewrites its shape constants for a
+    rank (``localize``), plus the facts other passes ask about it:
+
+    - ``maps(node, shard)``: for ops that only move, split or merge dims (views), where a
+      shard of the input lands in the output (None: it is cut up). The planner uses it to
+      store a parameter sharded when only a view of it (``w.t()``, ``w.view(...)``) meets a
+      matmul.
+    - ``elementwise``: each output element depends on its own input element alone (and no
+      random draw), so slicing commutes with the op.
+    - ``carries(node, shard)``: like ``maps`` for ops that are no views but still carry a
+      shard of a dim they do not index (``embedding``'s table columns, ``index``'s unpicked
+      dims): a parameter read through them may be stored sharded too, but they start no
+      column-parallel root as a view of a weight would.
+    - ``decomposition``: the op written in ops the table knows, with the op's signature; the
+      planner plans a node through it when its rule asks (``op.decompose``).
+    - ``matmul``: its parameter operand may start a column-parallel root.
+    - ``lookup``: it reads a table's rows by index (a table cut by rows is vocabulary
+      parallel).
+    - ``weight_out_first``: its weight is stored (out features, in features), so a column cut
+      splits dim 0 (``linear``).
+    - ``attention``: scaled-dot-product attention, ``(query, key, value, ...)``: its key and
+      value are what a KV cache holds.
+    - ``flops(node)``: ``(FLOPs, operands)`` of one whole call, for the cost model: the
+      operands whose shard divides them (None: not counted, as elementwise ops and norms).
+    """
+    propagate: Callable
+    localize: Callable | None = None
+    maps: Callable | None = None
+    elementwise: bool = False
+    carries: Callable | None = None
+    decomposition: Callable | None = None
+    matmul: bool = False
+    lookup: bool = False
+    weight_out_first: bool = False
+    attention: bool = False
+    flops: Callable | None = None
+
+
+RULES: dict = {}
+TAGGED: dict = {}  # torch.Tag -> the rule of an op torch tags so that has no entry of its own
+
+
+def register(*targets, **facts):
+    """``@register(aten.op.default, ..., localize=..., matmul=True)``: ``fn`` propagates
+    through every target; ``facts`` are the other fields of :class:`Rule`."""
+    def deco(fn):
+        for t in targets:
+            RULES[t] = Rule(fn, **facts)
+        return fn
+    return deco
+
+
+def rule_for(node: fx.Node) -> Rule | None:
+    return rule_for_target(node.target) if node.op == "call_function" else None
+
+
+def rule_for_target(target) -> Rule | None:
+    if target in RULES:
+        return RULES[target]
+    packet = getattr(target, "overloadpacket", None)
+    if packet in RULES:
+        return RULES[packet]
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    # ops of other libraries (transformers' MoE kernels) are registered by name: the table
+    # must not import them
+    if target.name() in RULES:
+        return RULES[target.name()]
+    # any other op torch tags (sin, erfinv: pointwise) and that neither draws nor writes
+    tags = target.tags
+    if torch.Tag.nondeterministic_seeded in tags or target._schema.is_mutable:
+        return None
+    return next((TAGGED[tag] for tag in tags if tag in TAGGED), None)
+
+
+def is_view(node: fx.Node) -> bool:
+    """An op that only moves, splits or merges dims of its first input (its rule ``maps``)."""
+    rule = rule_for(node)
+    return rule is not None and rule.maps is not None and bool(node.args)
+
+
+def viewed_from(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` is a view of, nearest first (empty when it is no view)."""
+    out = []
+    while is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        out.append(node)
+    return out
+
+
+def shard_map(node: fx.Node) -> Callable | None:
+    """Where a shard of ``node``'s first input lands in its output, for ops that carry it whole:
+    views (their ``maps``), lookups (``carries``) and elementwise ops of one tensor that keep
+    its shape (the shard stays where it is). None for every other op."""
+    rule = rule_for(node)
+    if rule is None or not node.args:
+        return None
+    if (carried := rule.maps or rule.carries) is not None:
+        return carried
+    if rule.elementwise and len(_tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
+        return lambda node, shard: shard
+    return None
+
+
+def _fact(node: fx.Node, name: str):
+    rule = rule_for(node)
+    return getattr(rule, name) if rule is not None else None
+
+
+def is_param_matmul(node: fx.Node) -> bool:
+    """A matmul whose parameter operand may start a column-parallel root."""
+    return bool(_fact(node, "matmul"))
+
+
+def is_lookup(node: fx.Node) -> bool:
+    """Reads a table's rows by index (``embedding``)."""
+    return bool(_fact(node, "lookup"))
+
+
+def weight_out_first(node: fx.Node) -> bool:
+    """Its weight is stored (out features, in features): a column cut splits dim 0."""
+    return bool(_fact(node, "weight_out_first"))
+
+
+def is_attention(node: fx.Node) -> bool:
+    """Scaled-dot-product attention: ``args[1:3]`` are its key and value."""
+    return bool(_fact(node, "attention"))
+
+
+def flops_of(node: fx.Node) -> tuple[float, list[fx.Node]]:
+    """The whole (unsharded) FLOPs of one call of ``node`` and the operands whose shard divides
+    them; (0, []) for an op the cost model does not count."""
+    count = _fact(node, "flops")
+    return count(node) if count is not None else (0.0, [])
