@@ -51,6 +51,7 @@ from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks,
 )
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
+from tpcompile.passes.planner.quantized import absorb_dequantized, dequantized_readers
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
     SEQUENCE, Constraints, Propagation, _same, carrier_chain, local_slice, propagate, view_chain,
@@ -452,11 +453,12 @@ def _cuttable(specs: Specs, placements: list[Shard]) -> bool:
 
 
 
-def _style(node: fx.Node, state: Propagation) -> str:
+def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> str:
+    """``reader``: the matmul a quantized weight (or its scales) is dequantized for."""
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
-    users = view_chain(node)[-1].users
+    users = [reader] if reader is not None else view_chain(node)[-1].users
     if p.dim == 0 and any(u.target in LOOKUPS for u in users):  # a table cut by rows
         return "vocab"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
@@ -497,13 +499,16 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
+    absorb_dequantized(gm, state, constraints)
+    dequantized_by = dequantized_readers(gm)
     syncs = grad_syncs(gm, state, needs_grad)
     params = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
             continue  # an unused get_attr is a tied alias export keeps: the used one speaks for it
         p = state.placements[node]
-        style = _style(node, state)
+        reader = dequantized_by.get(node)
+        style = _style(node, state, reader)
         overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
         grad_sync = node.target in cap.trainable and (node.name in syncs or overlapping)
         if style == "replicate" and isinstance(p, Shard):
@@ -512,7 +517,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         elif style == "replicate":
             reason = _replicated_reason(node, state, constraints.killed, cap, ws)
         else:
-            user = next(iter(node.users))
+            user = reader or next(iter(node.users))
             reason = f"{style} in {user.name}" + (
                 "; replicated blocks (too few heads for every rank)" if overlapping else "")
         gshape = tuple(int(s) for s in shape(node))

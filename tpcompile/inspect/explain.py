@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
+from tpcompile.passes.planner.quantized import quantized_weights
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
@@ -149,11 +150,14 @@ def _node_name(trace: RewriteTrace, target: str) -> str:
 
 
 def param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
-    """Per-rank and unsharded bytes of the parameters (trainable or frozen), each tensor once."""
+    """Per-rank and unsharded bytes of the parameters (trainable or frozen) and of the
+    buffers weight-only quantization stores instead (integer weights, the scales and zeros
+    their dequantization reads), each tensor once."""
     seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
     dtypes = attr_dtypes(trace)
+    weights = trace.cap.params | quantized_weights(trace.cap.gm)
     for name, p in trace.plan.params.items():
-        if name not in trace.cap.params or p.aliases in seen:
+        if name not in weights or p.aliases in seen:
             continue
         seen.add(p.aliases)
         total += nbytes(list(p.global_shape), dtypes[name])

@@ -1,0 +1,78 @@
+"""Weight-only quantized Llamas, planned without a process group (``tpcompile.explain``).
+
+gpt-fast's int8 linears and group-wise int4 ones (``tests/quant_models.py``) are planned like
+the float model they came from: every block linear column- or row-parallel as Megatron cuts
+it, the forward paying 2 all-reduces per layer, and each rank storing 1/N of every integer
+weight and of the int4 scales and zeros (column-parallel: its rows; row-parallel: whole
+groups of the input dim). Numerics on gloo ranks: ``tests/gloo/test_quant.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+
+import quant_models
+from tpcompile.inspect.explain import explain
+from tpcompile.tools import models
+
+N_LAYERS = 2
+ROWWISE = ("wo", "w2")
+
+
+def _report(model, inputs, ws):
+    return explain(model, inputs, world_size=ws, dynamic=False)
+
+
+def _forward(report) -> collections.Counter:
+    return collections.Counter(c.op for c in report.collectives if c.phase == "forward")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_quantized_llama_is_planned_like_the_float_one(kind, ws):
+    model, inputs = quant_models.build(kind)
+    plain = _report(models.build("llama", n_kv_heads=4), inputs, ws)
+    report = _report(model, inputs, ws)
+    assert _forward(report) == _forward(plain) == {"all_reduce": 2 * N_LAYERS}
+    for name in quant_models.quantized_names(model):
+        p = report.params[name]
+        linear = name.rpartition(".")[0].rpartition(".")[2]
+        assert p.style == ("rowwise" if linear in ROWWISE else "colwise"), name
+        assert p.style == plain.params[name].style, name
+        assert math.prod(p.local_shape) * ws == math.prod(p.global_shape), name
+    assert "at the bound" not in str(report) or report.megatron
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_int4_scales_follow_their_weight_and_groups_stay_whole(ws):
+    """A column-parallel weight's scales and zeros are cut by output rows (dim 1), a
+    row-parallel one's by groups of the input dim (dim 0): each rank holds whole groups."""
+    model, inputs = quant_models.build("int4")
+    report = _report(model, inputs, ws)
+    for name in quant_models.quantized_names(model):
+        owner = name.rpartition(".")[0]
+        w, sz = report.params[name], report.params[f"{owner}.scales_and_zeros"]
+        assert sz.style == w.style, owner
+        if w.style == "colwise":
+            assert (w.dim, sz.dim) == (0, 1) and sz.local_shape[1] == w.local_shape[0], owner
+        else:  # packed two per byte: a rank's input columns are 2 * its packed ones
+            assert (w.dim, sz.dim) == (1, 0), owner
+            assert sz.local_shape[0] * quant_models.GROUP == 2 * w.local_shape[1], owner
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_integer_bytes_per_rank_are_one_nth(kind, ws):
+    """Every integer weight is counted in the report's bytes and held 1/N per rank."""
+    model, inputs = quant_models.build(kind)
+    report = _report(model, inputs, ws)
+    state = model.state_dict()
+    names = quant_models.quantized_names(model)
+    total = sum(state[n].numel() * state[n].element_size() for n in names)
+    local = sum(math.prod(report.params[n].local_shape) * state[n].element_size() for n in names)
+    assert local <= 1.02 * total / ws
+    assert report.param_bytes_total >= total + sum(p.numel() * p.element_size()
+                                                   for p in model.parameters())
