@@ -68,13 +68,16 @@ class Int4Linear(nn.Module):
         return F.linear(x, self.dequantize(x.dtype))
 
 
-def quantized(model: nn.Module, kind: str) -> nn.Module:
-    """``model`` with every block linear replaced by ``kind``'s (``int8``, ``int4``) in place."""
-    cls = {"int8": Int8Linear, "int4": Int4Linear}[kind]
+def quantized(model: nn.Module, kind: str, group: int = GROUP) -> nn.Module:
+    """``model`` with every block linear replaced by ``kind``'s (``int8``, ``int4`` with
+    ``group``) in place."""
+    def convert(linear):
+        return Int8Linear(linear) if kind == "int8" else Int4Linear(linear, group)
+
     for name, module in list(model.named_modules()):
         owner, _, leaf = name.rpartition(".")
         if leaf in LLAMA_LINEARS and isinstance(module, nn.Linear):
-            setattr(model.get_submodule(owner), leaf, cls(module))
+            setattr(model.get_submodule(owner), leaf, convert(module))
     return model.requires_grad_(False)
 
 
@@ -89,13 +92,13 @@ def torchao_int8(model: nn.Module) -> nn.Module:
     return model.requires_grad_(False)
 
 
-def build(kind: str) -> tuple[nn.Module, tuple]:
+def build(kind: str, group: int = GROUP) -> tuple[nn.Module, tuple]:
     """(the built-in Llama with 4 kv heads quantized as ``kind``, its example inputs):
-    ``int8``, ``int4`` or ``torchao_int8``."""
+    ``int8``, ``int4`` (groups of ``group`` input features) or ``torchao_int8``."""
     base = models.build("llama", n_kv_heads=4).eval()
     inputs = models.example_inputs(base)
     model = copy.deepcopy(base)
-    model = torchao_int8(model) if kind == "torchao_int8" else quantized(model, kind)
+    model = torchao_int8(model) if kind == "torchao_int8" else quantized(model, kind, group)
     return model, inputs
 
 

@@ -52,6 +52,9 @@ class ParamEntry:
     chain: str               # the column -> row chain it belongs to; '' if none
     reason: str              # the planner's reason for the style
     aliases: list            # every FQN naming this tensor
+    # a buffer weight-only quantization stores for a matmul's weight (an integer weight, the
+    # scales and zeros its dequantization reads): counted in the parameter bytes
+    quantized: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ def attr_dtypes(trace: RewriteTrace) -> dict:
 
 def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
     plan, rank, dtypes = trace.plan, trace.rank, attr_dtypes(trace)
+    quantized = quantized_weights(trace.cap.gm)
     out = {}
     for name, p in sorted(plan.params.items()):
         sharded = isinstance(p.placement, Shard) and p.style != "replicate"
@@ -139,7 +143,7 @@ def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
             parameter=name in trace.cap.params, trainable=name in trace.cap.trainable,
             grad_sync=p.grad_sync,
             chain=trace.chain_of.get(_node_name(trace, name), ""), reason=p.reason,
-            aliases=list(p.aliases))
+            aliases=list(p.aliases), quantized=name in quantized)
     return out
 
 
