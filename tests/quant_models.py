@@ -1,4 +1,4 @@
-"""Weight-only quantized Llamas as users write them: gpt-fast's int8 and int4 linears, torchao's.
+"""Weight-only quantized Llamas as users write them: gpt-fast's int8 and int4 linears.
 
 ``Int8Linear`` is gpt-fast's ``WeightOnlyInt8Linear``: an int8 ``weight`` buffer (out, in) and
 float per-output-channel ``scales``, ``F.linear(x, weight.to(x.dtype)) * scales``.
@@ -11,8 +11,6 @@ every block linear is quantized, the embedding and the LM head stay float.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -81,25 +79,11 @@ def quantized(model: nn.Module, kind: str, group: int = GROUP) -> nn.Module:
     return model.requires_grad_(False)
 
 
-def torchao_int8(model: nn.Module) -> nn.Module:
-    """torchao's ``quantize_(model, Int8WeightOnlyConfig())`` on the block linears."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-    def block_linear(module, fqn):
-        return isinstance(module, nn.Linear) and fqn.rpartition(".")[2] in LLAMA_LINEARS
-
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=block_linear)
-    return model.requires_grad_(False)
-
-
 def build(kind: str, group: int = GROUP) -> tuple[nn.Module, tuple]:
     """(the built-in Llama with 4 kv heads quantized as ``kind``, its example inputs):
-    ``int8``, ``int4`` (groups of ``group`` input features) or ``torchao_int8``."""
-    base = models.build("llama", n_kv_heads=4).eval()
-    inputs = models.example_inputs(base)
-    model = copy.deepcopy(base)
-    model = torchao_int8(model) if kind == "torchao_int8" else quantized(model, kind, group)
-    return model, inputs
+    ``int8`` or ``int4`` (groups of ``group`` input features)."""
+    model = models.build("llama", n_kv_heads=4).eval()
+    return quantized(model, kind, group), models.example_inputs(model)
 
 
 def quantized_names(model: nn.Module) -> list[str]:
