@@ -1,4 +1,4 @@
-"""Weight-only quantized Llamas as users write them: gpt-fast's int8 and int4 linears.
+"""Weight-only quantized Llamas as users write them: gpt-fast's int8 and int4 linears, torchao's.
 
 ``Int8Linear`` is gpt-fast's ``WeightOnlyInt8Linear``: an int8 ``weight`` buffer (out, in) and
 float per-output-channel ``scales``, ``F.linear(x, weight.to(x.dtype)) * scales``.
@@ -6,7 +6,7 @@ float per-output-channel ``scales``, ``F.linear(x, weight.to(x.dtype)) * scales`
 dequantization ``(w - 8) * scale + zero``, but packs two 4-bit values per byte along the input
 dim in a plain uint8 (out, in / 2) buffer and unpacks them with shifts and masks, as gpt-fast's
 CPU fallback would: ``_weight_int4pack_mm``'s tiled layout is opaque to a planner. Both are
-quantized from the built-in Llama with 4 kv heads (so 2 and 4 ranks both split k and v);
+quantized from the built-in Llama with 4 kv heads, like torchao's ``Int8WeightOnlyConfig`` (so 2 and 4 ranks both split k and v);
 every block linear is quantized, the embedding and the LM head stay float.
 """
 
@@ -79,14 +79,30 @@ def quantized(model: nn.Module, kind: str, group: int = GROUP) -> nn.Module:
     return model.requires_grad_(False)
 
 
+def torchao_int8(model: nn.Module) -> nn.Module:
+    """torchao's ``quantize_(model, Int8WeightOnlyConfig())`` on the block linears (their
+    weights become ``Int8Tensor`` subclass parameters)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    def block_linear(module, fqn):
+        return isinstance(module, nn.Linear) and fqn.rpartition(".")[2] in LLAMA_LINEARS
+
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=block_linear)
+    return model.requires_grad_(False)
+
+
 def build(kind: str, group: int = GROUP) -> tuple[nn.Module, tuple]:
     """(the built-in Llama with 4 kv heads quantized as ``kind``, its example inputs):
-    ``int8`` or ``int4`` (groups of ``group`` input features)."""
+    ``int8``, ``int4`` (groups of ``group`` input features) or ``torchao_int8``."""
     model = models.build("llama", n_kv_heads=4).eval()
-    return quantized(model, kind, group), models.example_inputs(model)
+    inputs = models.example_inputs(model)
+    if kind == "torchao_int8":
+        return torchao_int8(model), inputs
+    return quantized(model, kind, group), inputs
 
 
 def quantized_names(model: nn.Module) -> list[str]:
-    """FQNs of the integer weight buffers (the tensors weight-only quantization shrinks)."""
-    return [n for n, t in model.state_dict().items()
-            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())]
+    """Names of the integer weight buffers (the tensors weight-only quantization shrinks) of a
+    model or of its sharded module (where torchao's ``weight`` is ``weight_qdata``)."""
+    return [n for n, t in model.named_buffers()
+            if not (t.is_floating_point() or t.is_complex())]

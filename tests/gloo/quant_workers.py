@@ -30,16 +30,15 @@ def _case(kind: str) -> dict:
     tp = tpcompile.parallelize(model, inputs)
     with torch.no_grad():
         out, ref = tp(*inputs), model(*inputs)
-    names = set(quant_models.quantized_names(model))
-    local = dict(tp.named_buffers())
-    full = tp.full_state_dict()
+    names = quant_models.quantized_names(tp)
+    local, full = dict(tp.named_buffers()), tp.full_state_dict()
     return {
         "output_err": rel_err(out, ref), "bit_exact": torch.equal(out, ref),
         "collectives": count_collectives(tp.graph_module)["forward"],
         "int_bytes": _nbytes(local[n] for n in names),
-        "int_bytes_total": _nbytes(model.state_dict()[n] for n in names),
+        "int_bytes_total": _nbytes(full[n] for n in names),
         "state_mismatches": sorted(n for n, t in model.state_dict().items()
-                              if n in full and not torch.equal(full[n], t)),
+                                   if n in full and not torch.equal(full[n], t)),
         "styles": {n: tp.plan.by_fqn[n].style for n in names},
     }
 

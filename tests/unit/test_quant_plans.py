@@ -97,3 +97,18 @@ def test_groups_wider_than_a_ranks_share_keep_the_weight_whole_and_say_so():
         assert report.params[f"{wo}.scales_and_zeros"].style == "replicate"
     text = str(report)
     assert "at the bound" not in text and "quantized weight tensor(s) kept whole" in text
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_torchao_int8_is_planned_like_gpt_fasts(ws):
+    """torchao's ``Int8Tensor`` weight is stored as its parts (``weight_qdata``,
+    ``weight_scale``): the int8 part is cut as gpt-fast's int8 weight is."""
+    pytest.importorskip("torchao")
+    model, inputs = quant_models.build("torchao_int8")
+    gpt_fast, _ = quant_models.build("int8")
+    report, twin = _report(model, inputs, ws), _report(gpt_fast, inputs, ws)
+    assert _forward(report) == _forward(twin) == {"all_reduce": 2 * N_LAYERS}
+    for name in quant_models.quantized_names(gpt_fast):
+        got, want = report.params[f"{name}_qdata"], twin.params[name]
+        assert got.quantized and got.dtype == "int8", name
+        assert (got.style, got.local_shape) == (want.style, want.local_shape), name
