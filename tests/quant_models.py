@@ -105,4 +105,4 @@ def quantized_names(model: nn.Module) -> list[str]:
     """Names of the integer weight buffers (the tensors weight-only quantization shrinks) of a
     model or of its sharded module (where torchao's ``weight`` is ``weight_qdata``)."""
     return [n for n, t in model.named_buffers()
-            if not (t.is_floating_point() or t.is_complex())]
+            if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)]

@@ -1,8 +1,10 @@
 """Rank-side bodies of ``test_quant.py``: weight-only quantized Llamas on gloo ranks.
 
-Each case parallelizes a model from ``tests/quant_models.py`` and runs it under
+``quant``: each case parallelizes a model from ``tests/quant_models.py`` and runs it under
 ``torch.no_grad`` beside the unsharded quantized model: the outputs, the forward collectives,
 the bytes of integer weights this rank stores, and the full state gathered back.
+``generation``: gpt-fast's static-cache decoder (``tests/cache_models.py``) quantized, greedy
+tokens of the sharded and the unsharded model.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tpcompile  # noqa: E402
 import quant_models  # noqa: E402
+from cache_models import CachedDecoder, greedy  # noqa: E402
 from tpcompile.runtime.collectives import count_collectives  # noqa: E402
 from tpcompile.tools.numerics import rel_err  # noqa: E402
 
@@ -48,6 +51,31 @@ def quant(rank: int, world_size: int, kinds: list[str]) -> dict:
     for kind in kinds:
         try:
             out[kind] = _case(kind)
+        except Exception:  # noqa: BLE001 - reported per case by the test
+            out[kind] = {"error": traceback.format_exc()}
+    return out
+
+
+PROMPT, NEW = 8, 12
+
+
+def _generation_case(kind: str) -> dict:
+    torch.manual_seed(0)
+    model = quant_models.quantized(CachedDecoder(kv_heads=4), kind)
+    prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    tp = tpcompile.parallelize(model, (prompt, torch.arange(PROMPT)))
+    names = quant_models.quantized_names(tp)
+    local, full = dict(tp.named_buffers()), tp.full_state_dict()
+    return {"tokens": greedy(tp, prompt, NEW).tolist(), "want": greedy(model, prompt, NEW).tolist(),
+            "int_bytes": _nbytes(local[n] for n in names),
+            "int_bytes_total": _nbytes(full[n] for n in names)}
+
+
+def generation(rank: int, world_size: int, kinds: list[str]) -> dict:
+    out = {}
+    for kind in kinds:
+        try:
+            out[kind] = _generation_case(kind)
         except Exception:  # noqa: BLE001 - reported per case by the test
             out[kind] = {"error": traceback.format_exc()}
     return out

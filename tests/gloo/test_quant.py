@@ -5,7 +5,8 @@ torchao is installed) on every block linear of the built-in Llama (4 kv heads): 
 model's to 1e-6 relative (float32; row-parallel matmuls sum their partial products in another
 order, so not bit for bit), the forward pays Megatron's 2 all-reduces per layer, each rank
 stores 1/N of the integer weights (column-parallel: rows; row-parallel: whole groups of the
-input dim), and the gathered state equals the model's. The plans themselves:
+input dim), and the gathered state equals the model's. gpt-fast's static-cache decoder with
+int8 or int4 linears generates the unsharded model's greedy tokens. The plans themselves:
 ``tests/unit/test_quant_plans.py``.
 """
 
@@ -62,3 +63,18 @@ def test_quantized_forward_at_megatrons_bound_with_one_nth_of_the_weights(result
         assert 0 < c["int_bytes"] <= 1.02 * c["int_bytes_total"] / ws
         for name, style in c["styles"].items():
             assert style == ("rowwise" if any(m in name for m in ROWWISE) else "colwise"), name
+
+
+@pytest.fixture(scope="module")
+def generated():
+    return LaunchedOnDemand(lambda ws: run_on_ranks(f"{BODIES}:generation", ws, ["int8", "int4"],
+                                                    timeout=600))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_static_cache_decoder_generates_the_unsharded_tokens(generated, kind):
+    for c in generated[2]:
+        c = c[kind]
+        assert "error" not in c, c.get("error")
+        assert c["tokens"] == c["want"]
+        assert 0 < c["int_bytes"] <= 1.02 * c["int_bytes_total"] / 2
