@@ -51,7 +51,8 @@ from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks,
 )
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
-from tpcompile.passes.planner.quantized import absorb_dequantized, dequantized_readers
+from tpcompile.passes.planner.quantized import dequantized_readers
+from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
     SEQUENCE, Constraints, Propagation, _same, carrier_chain, local_slice, propagate, view_chain,
