@@ -495,6 +495,18 @@ def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str]
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
 
 
+def _whole_dequantized(reader: fx.Node, state: Propagation, cut: list[str]) -> str:
+    """Why a quantized weight (or its scales) read by the matmul ``reader`` is stored whole;
+    ``cut``: the tensors of the same dequantization that are stored sharded."""
+    if isinstance(state.placements.get(reader), Replicate):
+        return f"quantized weight of {reader.name}, which runs replicated"
+    if cut:
+        return (f"dequantizes {', '.join(cut)} for {reader.name}: every rank's part of it reads "
+                "all of this tensor (one group's scale and zero)")
+    return (f"quantized weight of {reader.name}: no cut of the stored tensors dequantizes to the "
+            "shard it reads (a rank's share would split a group), so it is sliced at its use")
+
+
 def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
             needs_grad: set) -> ShardingPlan:
     gm = cap.gm
@@ -515,6 +527,10 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         if style == "replicate" and isinstance(p, Shard):
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
+        elif style == "replicate" and reader is not None:
+            cut = [n.target for n, r in dequantized_by.items()
+                   if r is reader and isinstance(state.placements.get(n), Shard)]
+            reason = constraints.killed.get(node.target) or _whole_dequantized(reader, state, cut)
         elif style == "replicate":
             reason = _replicated_reason(node, state, constraints.killed, cap, ws)
         else:

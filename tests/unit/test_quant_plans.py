@@ -92,6 +92,7 @@ def test_groups_wider_than_a_ranks_share_keep_the_weight_whole_and_say_so():
     for layer in range(N_LAYERS):
         w2, wo = (f"layers.{layer}.{m}" for m in ("feed_forward.w2", "attention.wo"))
         assert report.params[f"{w2}.weight"].style == "replicate"
+        assert "would split a group" in report.params[f"{w2}.weight"].reason
         assert report.params[f"{w2}.scales_and_zeros"].style == "replicate"
         assert report.params[f"{wo}.weight"].local_shape == [64, 8]
         assert report.params[f"{wo}.scales_and_zeros"].style == "replicate"
