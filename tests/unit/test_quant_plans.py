@@ -113,3 +113,22 @@ def test_torchao_int8_is_planned_like_gpt_fasts(ws):
         got, want = report.params[f"{name}_qdata"], twin.params[name]
         assert got.quantized and got.dtype == "int8", name
         assert (got.style, got.local_shape) == (want.style, want.local_shape), name
+
+
+@pytest.mark.parametrize("kind", ["int4", "torchao_int8"])
+def test_reusing_blocks_plans_quantized_weights_alike(kind):
+    """``reuse_blocks=True`` stamps the fourth block from three exported ones: the quantized
+    weights (torchao's parts too) are cut as a whole capture cuts them."""
+    if kind.startswith("torchao"):
+        pytest.importorskip("torchao")
+    model = models.build("llama", n_kv_heads=4, n_layers=4).eval()
+    inputs = models.example_inputs(model)
+    model = (quant_models.torchao_int8(model) if kind.startswith("torchao")
+             else quant_models.quantized(model, kind))
+    whole, reused = (explain(model, inputs, world_size=2, dynamic=False, reuse_blocks=r)
+                     for r in (False, True))
+    assert _forward(reused) == _forward(whole) == {"all_reduce": 8}
+    assert reused.param_bytes_per_rank == whole.param_bytes_per_rank
+    for name, p in whole.params.items():
+        assert (reused.params[name].style, reused.params[name].local_shape) == (
+            p.style, p.local_shape), name

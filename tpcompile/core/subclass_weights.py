@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["unwrap_subclass_weights"]
+__all__ = ["unwrap_subclass_weights", "subclass_part"]
 
 
 def _access_op():
@@ -57,6 +58,22 @@ def unwrap_subclass_weights(gm: fx.GraphModule) -> list[str]:
     if not out:
         return []
     gm.recompile()
-    weights = sorted(set(out.values()))
-    return [f"{len(weights)} tensor-subclass weight(s) ({weights[0]}, ...) are stored as their "
-            f"parts ({', '.join(sorted(out)[:2])}, ...): the sharded module's state names the parts"]
+    first = min(out)
+    return [f"tensor-subclass weights ({out[first]}, ...) are stored as their parts ({first}, "
+            "...): the sharded module's state names the parts"]
+
+
+def subclass_part(model: nn.Module, target: str) -> torch.Tensor | None:
+    """The part :func:`unwrap_subclass_weights` stores at ``target`` (``...weight_qdata``),
+    read from ``model``'s subclass weight; None when ``target`` names no such part."""
+    owner_path, _, leaf = target.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_path) if owner_path else model
+    except AttributeError:
+        return None
+    for name, t in list(owner.named_parameters(recurse=False)) + list(owner.named_buffers(recurse=False)):
+        if leaf.startswith(f"{name}_") and is_traceable_wrapper_subclass(t):
+            part = leaf[len(name) + 1:]
+            if part in t.__tensor_flatten__()[0]:
+                return getattr(t, part).detach()
+    return None
