@@ -26,24 +26,26 @@ MAX_NODES = 32
 
 
 def stored_inputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
-    """(the get_attr tensors ``node`` is computed from, the nodes computing it from them, in
-    graph order), or None when an input reaches it or the computation is longer than
+    """(the get_attr tensors ``node`` is computed from, the nodes computing it from them,
+    inputs before users), or None when an input reaches it or the computation is longer than
     ``MAX_NODES``."""
-    leaves, inner, todo, seen = [], [], [node], set()
-    while todo:
-        n = todo.pop()
+    leaves, inner, seen = [], [], set()
+
+    def visit(n: fx.Node) -> bool:  # post-order: a node after everything it reads
         if n in seen:
-            continue
+            return True
         seen.add(n)
         if len(seen) > MAX_NODES or n.op == "placeholder":
-            return None
+            return False
         if n.op == "get_attr":
             leaves.append(n)
-            continue
+            return True
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
         inner.append(n)
-        todo.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(leaves, key=order.get), sorted(inner, key=order.get)
+        return True
+
+    return (leaves, inner) if visit(node) else None
 
 
 def _integer(node: fx.Node) -> bool:
