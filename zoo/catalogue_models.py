@@ -206,7 +206,8 @@ class Narrow(MLP):
 
 
 class Int8Weight(nn.Module):
-    """Quantized weights stored as int8 buffers (no gradient): never sharded."""
+    """A quantized weight stored as an int8 buffer (no gradient), dequantized by a cast and
+    scaled after the matmul: column-parallel like a float weight, its scale cut alike."""
 
     def __init__(self):
         super().__init__()

@@ -51,6 +51,8 @@ from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks, whole_roots,
 )
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
+from tpcompile.passes.planner.quantized import dequantized_readers
+from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
     SEQUENCE, Constraints, Propagation, _same, carrier_chain, local_slice, propagate, view_chain,
@@ -452,11 +454,12 @@ def _cuttable(specs: Specs, placements: list[Shard]) -> bool:
 
 
 
-def _style(node: fx.Node, state: Propagation) -> str:
+def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> str:
+    """``reader``: the matmul a quantized weight (or its scales) is dequantized for."""
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
-    users = view_chain(node)[-1].users
+    users = [reader] if reader is not None else view_chain(node)[-1].users
     if p.dim == 0 and any(is_lookup(u) for u in users):  # a table cut by rows
         return "vocab"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
@@ -492,28 +495,47 @@ def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str]
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
 
 
+def _whole_dequantized(reader: fx.Node, state: Propagation, cut: list[str]) -> str:
+    """Why a quantized weight (or its scales) read by the matmul ``reader`` is stored whole;
+    ``cut``: the tensors of the same dequantization that are stored sharded."""
+    if isinstance(state.placements.get(reader), Replicate):
+        return f"quantized weight of {reader.name}, which runs replicated"
+    if cut:
+        return (f"dequantizes {', '.join(cut)} for {reader.name}: every rank's part of it reads "
+                "all of this tensor (one group's scale and zero)")
+    return (f"quantized weight of {reader.name}: no cut of the stored tensors dequantizes to the "
+            "shard it reads (a rank's share would split a group), so it is sliced at its use")
+
+
 def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
             needs_grad: set) -> ShardingPlan:
     gm = cap.gm
     specs = state.specs
     _absorb_params(gm, state)
+    absorb_dequantized(gm, state, constraints)
+    dequantized_by = dequantized_readers(gm)
     syncs, whole = grad_syncs(gm, state, needs_grad), whole_roots(gm, state)
     params = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
             continue  # an unused get_attr is a tied alias export keeps: the used one speaks for it
         p = state.placements[node]
-        style = _style(node, state)
+        reader = dequantized_by.get(node)
+        style = _style(node, state, reader)
         overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
         pieces = overlapping and p.layout.root not in whole  # a whole root's gradient is whole
         grad_sync = node.target in cap.trainable and (node.name in syncs or pieces)
         if style == "replicate" and isinstance(p, Shard):
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
                       f"region of {next(iter(node.users)).name}")
+        elif style == "replicate" and reader is not None:
+            cut = [n.target for n, r in dequantized_by.items()
+                   if r is reader and isinstance(state.placements.get(n), Shard)]
+            reason = constraints.killed.get(node.target) or _whole_dequantized(reader, state, cut)
         elif style == "replicate":
             reason = _replicated_reason(node, state, constraints.killed, cap, ws)
         else:
-            user = next(iter(node.users))
+            user = reader or next(iter(node.users))
             reason = f"{style} in {user.name}" + (
                 "; replicated blocks (too few heads for every rank)" if overlapping else "")
         gshape = tuple(int(s) for s in shape(node))

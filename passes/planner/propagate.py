@@ -25,6 +25,7 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.quantized import dequantized_weight
 from tpcompile.passes.planner.rules import is_view, rule_for, shard_map
 
 log = logging.getLogger(__name__)
@@ -208,11 +209,12 @@ class OpView:
 
     def param_behind(self, arg) -> fx.Node | None:
         """The parameter ``arg`` is, or is a view of (through ops the rule table maps dims of,
-        each used once): where a column-parallel root may start."""
+        each used once), or the quantized weight it dequantizes
+        (:mod:`tpcompile.passes.planner.quantized`): where a column-parallel root may start."""
         node = arg
         while isinstance(node, fx.Node) and not self.is_param(node):
             if not is_view(node) or len(node.users) != 1:
-                return None
+                return dequantized_weight(arg) if isinstance(arg, fx.Node) else None
             node = node.args[0]
         return node if isinstance(node, fx.Node) and len(node.users) >= 1 else None
 

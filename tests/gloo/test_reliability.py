@@ -110,7 +110,7 @@ def test_world_size_larger_than_a_dim_replicates_it(runs):
 def test_shared_parameters_and_complex_values_are_sharded(runs, ws):
     assert _catalogue(runs, ws, "shared_module")["styles"]["down.weight"] == "rowwise"
     assert _catalogue(runs, ws, "complex_rotary")["styles"]["fc2.weight"] == "rowwise"
-    assert _catalogue(runs, ws, "int8_weight")["styles"]["w_q"] == "replicate"
+    assert _catalogue(runs, ws, "int8_weight")["styles"]["w_q"] == "colwise"
 
 
 def _contracts(runs):

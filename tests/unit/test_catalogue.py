@@ -80,9 +80,10 @@ def test_world_size_larger_than_a_dim_keeps_it_whole():
                                                 "nothing to split")
 
 
-def test_integer_weights_are_never_sharded():
+def test_integer_weights_are_sharded_like_float_ones():
     _, plan = plan_model(cm.Int8Weight(), _x(), 2)
-    assert plan.params["w_q"].style == "replicate" and plan.params["w_q"].reason == "buffer"
+    styles = plan.styles()
+    assert (styles["w_q"], styles["scale"], styles["fc2.weight"]) == ("colwise", "colwise", "rowwise")
 
 
 def test_in_place_ops_on_shards_stay_local():

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from tpcompile.compat import stack_traces as recorded_stack_traces
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
+from tpcompile.core.subclass_weights import unwrap_subclass_weights
 from tpcompile.core.capture_checks import (
     custom_function_calls, forward_state_guard, refuse_custom_functions,
 )
@@ -232,6 +233,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
             "make forward traceable (no data-dependent Python control flow, tensors in and out)"
         ) from e
     gm = canonical_order(ep.module())
+    notes += unwrap_subclass_weights(gm)
     aliases, params, trainable = attribute_info(gm, model)
     specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor))

@@ -28,6 +28,7 @@ from torch import fx, nn
 
 from tpcompile.core.block_paths import block_of
 from tpcompile.core.capture import Capture, _fetch, attribute_info, capture
+from tpcompile.core.subclass_weights import subclass_part
 
 __all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "REUSED"]
 
@@ -223,8 +224,9 @@ def _module(model: nn.Module, cap: Capture, graph: fx.Graph) -> fx.GraphModule:
         if node.op == "get_attr":
             try:
                 owned[node.target] = _fetch(model, node.target)
-            except AttributeError:  # a constant export lifted out of forward
-                owned[node.target] = _fetch(cap.gm, node.target)
+            except AttributeError:  # a subclass weight's part, or a constant export lifted
+                part = subclass_part(model, node.target)
+                owned[node.target] = part if part is not None else _fetch(cap.gm, node.target)
         elif node.op == "call_module":
             owned[node.target] = cap.gm.get_submodule(node.target)
     gm = fx.GraphModule(owned, graph)

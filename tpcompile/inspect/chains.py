@@ -19,6 +19,7 @@ from tpcompile.core.capture import module_path
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
+from tpcompile.passes.planner.quantized import dequantized_readers, dequantized_weight
 from tpcompile.passes.planner.rules import is_param_matmul
 
 __all__ = ["Chain", "find_chains", "layer_of"]
@@ -105,8 +106,9 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
         if node.name in node_roots:
             members.setdefault(find(next(iter(node_roots[node.name]))), []).append(node)
     chains, chain_of = [], {}
+    readers = dequantized_readers(gm)
     for group in members.values():
-        chain = _build(group, plan)
+        chain = _build(group, plan, readers)
         taken = sum(1 for c in chains if c.name.split("#")[0] == chain.name)
         if taken:  # two chains under one module: number them
             chain = replace(chain, name=f"{chain.name}#{taken + 1}")
@@ -115,7 +117,8 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
     return chains, chain_of
 
 
-def _build(nodes: list[fx.Node], plan: ShardingPlan) -> Chain:
+def _build(nodes: list[fx.Node], plan: ShardingPlan, readers: dict[fx.Node, fx.Node]) -> Chain:
+    """``readers``: the matmul each quantized weight (and its scales) is dequantized for."""
     by_style: dict[str, list[str]] = {"colwise": [], "rowwise": [], "replicate": []}
     entries, exits = [], []
     for node in nodes:
@@ -124,12 +127,13 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan) -> Chain:
             fqn = entry.aliases[0]
             by_style.setdefault(entry.style, []).append(fqn)
             weight = view_chain(node)[-1]  # the weight as its matmul reads it (w.t(), w.T, w)
-            for user in weight.users:
+            for user in ([readers[node]] if node in readers else weight.users):
                 if entry.style == "rowwise" and user.name not in exits:
                     exits.append(user.name)
                 if entry.style == "colwise" and is_param_matmul(user):
                     entries.extend(a.name for a in user.all_input_nodes  # the activations
-                                   if a is not weight and a.op != "get_attr" and a.name not in entries)
+                                   if a is not weight and a.op != "get_attr" and a.name not in entries
+                                   and dequantized_weight(a) is None)
     params = by_style["colwise"] + by_style["rowwise"] + by_style["replicate"]
     owners = [p.rpartition(".")[0] for p in params] or [nodes[0].name]
     inside = [o for o in owners if layer_of(o)]  # a table outside the layers joins their chain

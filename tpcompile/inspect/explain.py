@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
+from tpcompile.passes.planner.quantized import quantized_weights
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
@@ -51,6 +52,9 @@ class ParamEntry:
     chain: str               # the column -> row chain it belongs to; '' if none
     reason: str              # the planner's reason for the style
     aliases: list            # every FQN naming this tensor
+    # a buffer weight-only quantization stores for a matmul's weight (an integer weight, the
+    # scales and zeros its dequantization reads): counted in the parameter bytes
+    quantized: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ def attr_dtypes(trace: RewriteTrace) -> dict:
 
 def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
     plan, rank, dtypes = trace.plan, trace.rank, attr_dtypes(trace)
+    quantized = quantized_weights(trace.cap.gm)
     out = {}
     for name, p in sorted(plan.params.items()):
         sharded = isinstance(p.placement, Shard) and p.style != "replicate"
@@ -138,7 +143,7 @@ def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
             parameter=name in trace.cap.params, trainable=name in trace.cap.trainable,
             grad_sync=p.grad_sync,
             chain=trace.chain_of.get(_node_name(trace, name), ""), reason=p.reason,
-            aliases=list(p.aliases))
+            aliases=list(p.aliases), quantized=name in quantized)
     return out
 
 
@@ -149,11 +154,14 @@ def _node_name(trace: RewriteTrace, target: str) -> str:
 
 
 def param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
-    """Per-rank and unsharded bytes of the parameters (trainable or frozen), each tensor once."""
+    """Per-rank and unsharded bytes of the parameters (trainable or frozen) and of the
+    buffers weight-only quantization stores instead (integer weights, the scales and zeros
+    their dequantization reads), each tensor once."""
     seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
     dtypes = attr_dtypes(trace)
+    weights = trace.cap.params | quantized_weights(trace.cap.gm)
     for name, p in trace.plan.params.items():
-        if name not in trace.cap.params or p.aliases in seen:
+        if name not in weights or p.aliases in seen:
             continue
         seen.add(p.aliases)
         total += nbytes(list(p.global_shape), dtypes[name])

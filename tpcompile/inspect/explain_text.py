@@ -111,7 +111,18 @@ def _megatron(r) -> list[str]:
     else:
         verdict = (f"{extra[0]:+d} forward, {extra[1]:+d} backward collectives, {extra[2]:+,} bytes "
                    "against the bound")
-    return lines + [f"  -> {verdict}"]
+    return lines + [f"  -> {_whole_quantized(r) or verdict}"]
+
+
+def _whole_quantized(r) -> str:
+    """The verdict when quantized weights stay whole on every rank: their matmuls are in no
+    chain, so the bound above does not count them and "at the bound" would say nothing."""
+    whole = sorted(n for n, p in r.params.items() if p.quantized and p.style == "replicate")
+    if not whole:
+        return ""
+    shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
+    return (f"not comparable to the bound: {len(whole)} quantized weight tensor(s) kept whole on "
+            f"every rank ({shown})")
 
 
 def _dtensor(r) -> list[str]:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import warnings
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import torch.distributed as dist
 from torch import fx, nn
 
@@ -130,9 +131,19 @@ def value_entries(model: nn.Module) -> list[Entry]:
     """A checksum of every parameter and buffer holding data (meta tensors have none)."""
     out = []
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.device.type != "meta" and not t.is_complex():
-            out.append((f"values of {name}", f"sum {float(t.detach().sum(dtype=torch.float64)):.17g}"))
+        for part, plain in _plain_parts(name, t.detach()):
+            if plain.device.type != "meta" and not plain.is_complex():
+                out.append((f"values of {part}", f"sum {float(plain.sum(dtype=torch.float64)):.17g}"))
     return out
+
+
+def _plain_parts(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``t``, or the plain tensors a tensor subclass holds (torchao's quantized weights
+    implement few ops; their parts are what the ranks must agree on)."""
+    if not is_traceable_wrapper_subclass(t):
+        return [(name, t)]
+    inner, _ = t.__tensor_flatten__()
+    return [p for attr in inner for p in _plain_parts(f"{name}.{attr}", getattr(t, attr))]
 
 
 def _gather(obj, group, what: str) -> list:

@@ -75,6 +75,11 @@ def _localize_dropout(node, local):
 
 register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
 register(*POINTWISE, elementwise=True)(_pointwise(None))
+# bit twiddling of integer tensors (unpacking quantized weights); torch tags some of them
+# pointwise, not the ``&`` / ``|`` ones
+register(aten.__and__.Scalar, aten.bitwise_and.Scalar, aten.__or__.Scalar, aten.bitwise_or.Scalar,
+         aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar, aten.__lshift__.Scalar,
+         aten.bitwise_left_shift.Tensor_Scalar, elementwise=True)(_pointwise(None))
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub, elementwise=True)(_pointwise("add"))
 register(aten.mul.Tensor, operator.mul, elementwise=True)(_pointwise("mul"))
 

@@ -1,0 +1,87 @@
+"""Weight-only quantized weights: integer tensors a matmul reads through their dequantization.
+
+gpt-fast's int8 linear reads ``weight.to(x.dtype)``; a group-wise int4 one unpacks nibbles
+with shifts and masks, stacks them, casts and applies ``(w - 8) * scale + zero`` per group of
+the input dim before the matmul. Either way the matmul's weight operand is computed from
+stored tensors alone (no activation reaches it), and one of them is an integer tensor: the
+*quantized weight*. The planner treats it as the parameter behind that operand
+(``OpView.param_behind``), so the matmul starts a column-parallel root or joins a
+row-parallel one exactly as a float weight would; the root is named by the quantized weight.
+How the stored tensors are then cut: :mod:`tpcompile.passes.planner.quantized_cuts`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.passes.planner.dims import val
+from tpcompile.passes.planner.rules import is_param_matmul
+
+__all__ = ["stored_inputs", "dequantized_weight", "dequantized_readers", "quantized_weights"]
+
+# a dequantization is a short computation: the search behind a matmul operand gives up past
+# this many nodes (an activation's history is the whole graph)
+MAX_NODES = 32
+
+
+def stored_inputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """(the get_attr tensors ``node`` is computed from, the nodes computing it from them,
+    inputs before users), or None when an input reaches it or the computation is longer than
+    ``MAX_NODES``."""
+    leaves, inner, seen = [], [], set()
+
+    def visit(n: fx.Node) -> bool:  # post-order: a node after everything it reads
+        if n in seen:
+            return True
+        seen.add(n)
+        if len(seen) > MAX_NODES or n.op == "placeholder":
+            return False
+        if n.op == "get_attr":
+            leaves.append(n)
+            return True
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        inner.append(n)
+        return True
+
+    return (leaves, inner) if visit(node) else None
+
+
+def _integer(node: fx.Node) -> bool:
+    v = val(node)
+    return isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())
+
+
+def dequantized_weight(node: fx.Node) -> fx.Node | None:
+    """The quantized weight a floating ``node`` dequantizes: the largest integer get_attr it
+    is computed from when only stored tensors reach it; else None."""
+    v = val(node)
+    if (node.op == "get_attr" or not isinstance(v, torch.Tensor)
+            or not v.is_floating_point()):
+        return None
+    found = stored_inputs(node)
+    if found is None:
+        return None
+    ints = [leaf for leaf in found[0] if _integer(leaf)]
+    return max(ints, key=lambda n: val(n).numel()) if ints else None
+
+
+def dequantized_readers(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Stored tensor a matmul operand is dequantized from (a quantized weight, its scales and
+    zeros) -> that matmul: the op whose placement says if the tensor's cut is column- or
+    row-parallel."""
+    out: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if not is_param_matmul(node):
+            continue
+        for arg in node.all_input_nodes:
+            if dequantized_weight(arg) is not None:
+                out.update((leaf, node) for leaf in stored_inputs(arg)[0])
+    return out
+
+
+def quantized_weights(gm: fx.GraphModule) -> frozenset[str]:
+    """Targets of the tensors weight-only quantization stores for a matmul's weight (integer
+    weights, the scales and zeros their dequantization reads before the matmul)."""
+    return frozenset(leaf.target for leaf in dequantized_readers(gm))

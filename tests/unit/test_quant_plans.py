@@ -1,0 +1,134 @@
+"""Weight-only quantized Llamas, planned without a process group (``tpcompile.explain``).
+
+gpt-fast's int8 linears and group-wise int4 ones (``zoo/quant_models.py``) are planned like
+the float model they came from: every block linear column- or row-parallel as Megatron cuts
+it, the forward paying 2 all-reduces per layer, and each rank storing 1/N of every integer
+weight and of the int4 scales and zeros (column-parallel: its rows; row-parallel: whole
+groups of the input dim). Numerics on gloo ranks: ``tests/gloo/test_quant.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+
+from tpcompile.inspect.explain import explain
+from tpcompile.tools import models
+from zoo import quant_models
+
+N_LAYERS = 2
+ROWWISE = ("wo", "w2")
+
+
+def _report(model, inputs, ws):
+    return explain(model, inputs, world_size=ws, dynamic=False)
+
+
+def _forward(report) -> collections.Counter:
+    return collections.Counter(c.op for c in report.collectives if c.phase == "forward")
+
+
+def _verdict(report) -> str:
+    return next(line for line in str(report).splitlines() if line.strip().startswith("-> "))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_quantized_llama_is_planned_like_the_float_one(kind, ws):
+    model, inputs = quant_models.build(kind)
+    plain = _report(models.build("llama", n_kv_heads=4).requires_grad_(False), inputs, ws)
+    report = _report(model, inputs, ws)
+    assert _forward(report) == _forward(plain) == {"all_reduce": 2 * N_LAYERS}
+    for name in quant_models.quantized_names(model):
+        p = report.params[name]
+        linear = name.rpartition(".")[0].rpartition(".")[2]
+        assert p.style == ("rowwise" if linear in ROWWISE else "colwise"), name
+        assert p.style == plain.params[name].style, name
+        assert math.prod(p.local_shape) * ws == math.prod(p.global_shape), name
+    assert _verdict(report) == _verdict(plain)  # frozen: the backward half of the bound is unpaid
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_int4_scales_follow_their_weight_and_groups_stay_whole(ws):
+    """A column-parallel weight's scales and zeros are cut by output rows (dim 1), a
+    row-parallel one's by groups of the input dim (dim 0): each rank holds whole groups."""
+    model, inputs = quant_models.build("int4")
+    report = _report(model, inputs, ws)
+    for name in quant_models.quantized_names(model):
+        owner = name.rpartition(".")[0]
+        w, sz = report.params[name], report.params[f"{owner}.scales_and_zeros"]
+        assert sz.style == w.style, owner
+        if w.style == "colwise":
+            assert (w.dim, sz.dim) == (0, 1) and sz.local_shape[1] == w.local_shape[0], owner
+        else:  # packed two per byte: a rank's input columns are 2 * its packed ones
+            assert (w.dim, sz.dim) == (1, 0), owner
+            assert sz.local_shape[0] * quant_models.GROUP == 2 * w.local_shape[1], owner
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_integer_bytes_per_rank_are_one_nth(kind, ws):
+    """Every integer weight is counted in the report's bytes and held 1/N per rank."""
+    model, inputs = quant_models.build(kind)
+    report = _report(model, inputs, ws)
+    state = model.state_dict()
+    names = quant_models.quantized_names(model)
+    total = sum(state[n].numel() * state[n].element_size() for n in names)
+    local = sum(math.prod(report.params[n].local_shape) * state[n].element_size() for n in names)
+    assert local <= 1.02 * total / ws
+    assert report.param_bytes_total >= total + sum(p.numel() * p.element_size()
+                                                   for p in model.parameters())
+
+
+def test_groups_wider_than_a_ranks_share_keep_the_weight_whole_and_say_so():
+    """Groups of 64 input features over 4 ranks: w2's 128 inputs are 2 groups, and a rank's
+    32 would cut one, so w2 and its scales stay whole (sliced at their use) and explain does
+    not call that plan "at the bound". wo's 64 inputs are one group: each rank holds 16 of its
+    columns and the group's scale and zero whole."""
+    model, inputs = quant_models.build("int4", group=64)
+    report = _report(model, inputs, 4)
+    for layer in range(N_LAYERS):
+        w2, wo = (f"layers.{layer}.{m}" for m in ("feed_forward.w2", "attention.wo"))
+        assert report.params[f"{w2}.weight"].style == "replicate"
+        assert "would split a group" in report.params[f"{w2}.weight"].reason
+        assert report.params[f"{w2}.scales_and_zeros"].style == "replicate"
+        assert report.params[f"{wo}.weight"].local_shape == [64, 8]
+        assert report.params[f"{wo}.scales_and_zeros"].style == "replicate"
+    text = str(report)
+    assert "at the bound" not in text and "quantized weight tensor(s) kept whole" in text
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_torchao_int8_is_planned_like_gpt_fasts(ws):
+    """torchao's ``Int8Tensor`` weight is stored as its parts (``weight_qdata``,
+    ``weight_scale``): the int8 part is cut as gpt-fast's int8 weight is."""
+    pytest.importorskip("torchao")
+    model, inputs = quant_models.build("torchao_int8")
+    gpt_fast, _ = quant_models.build("int8")
+    report, twin = _report(model, inputs, ws), _report(gpt_fast, inputs, ws)
+    assert _forward(report) == _forward(twin) == {"all_reduce": 2 * N_LAYERS}
+    for name in quant_models.quantized_names(gpt_fast):
+        got, want = report.params[f"{name}_qdata"], twin.params[name]
+        assert got.quantized and got.dtype == "int8", name
+        assert (got.style, got.local_shape) == (want.style, want.local_shape), name
+
+
+@pytest.mark.parametrize("kind", ["int4", "torchao_int8"])
+def test_reusing_blocks_plans_quantized_weights_alike(kind):
+    """``reuse_blocks=True`` stamps the fourth block from three exported ones: the quantized
+    weights (torchao's parts too) are cut as a whole capture cuts them."""
+    if kind.startswith("torchao"):
+        pytest.importorskip("torchao")
+    model = models.build("llama", n_kv_heads=4, n_layers=4).eval()
+    inputs = models.example_inputs(model)
+    model = (quant_models.torchao_int8(model) if kind.startswith("torchao")
+             else quant_models.quantized(model, kind))
+    whole, reused = (explain(model, inputs, world_size=2, dynamic=False, reuse_blocks=r)
+                     for r in (False, True))
+    assert _forward(reused) == _forward(whole) == {"all_reduce": 8}
+    assert reused.param_bytes_per_rank == whole.param_bytes_per_rank
+    for name, p in whole.params.items():
+        assert (reused.params[name].style, reused.params[name].local_shape) == (
+            p.style, p.local_shape), name
