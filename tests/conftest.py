@@ -1,7 +1,7 @@
 """Fail fast when tpcompile is not installed (``passes/`` only exists as tpcompile.passes), and,
 where the test dependencies are required (CI sets TPCOMPILE_REQUIRE_TEST_DEPS=1), when one is
 missing: a test that guards a guarantee (OpInfo soundness needs expecttest, the Hugging Face
-rows transformers, LoRA peft) would otherwise skip and the guarantee would go unchecked."""
+rows transformers, LoRA peft, torchao's quantized weights) would otherwise skip and the guarantee would go unchecked."""
 
 import importlib
 import os
@@ -14,7 +14,7 @@ except ModuleNotFoundError as e:  # pragma: no cover
     raise SystemExit("tpcompile is not installed: run `pip install -e '.[test]'` first") from e
 
 # what the test extra installs that some test would skip without
-REQUIRED = ("hypothesis", "expecttest", "transformers", "peft", "safetensors",
+REQUIRED = ("hypothesis", "expecttest", "transformers", "peft", "safetensors", "torchao",
             "torch.testing._internal.common_methods_invocations")
 
 
