@@ -42,9 +42,12 @@ def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool) -> dict:
     tp.reset_caches()
     after_reset = sum(float(b.abs().sum()) for n, b in tp.named_buffers() if "cache" in n)
     again = greedy(tp, prompt, NEW)  # after a reset: the same tokens again
+    longer = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    lengths = [greedy(tp, longer[:, :t], n).tolist() == greedy(model, longer[:, :t], n).tolist()
+               for t, n in ((3, 4), (9, 3))]  # other prompt lengths: the same two captures
     graphs = [tp.graph_module] + [gm for _, gm in tp.signatures]
     return {
-        "tokens": got.tolist(), "want": want.tolist(), "again": again.tolist(),
+        "tokens": got.tolist(), "want": want.tolist(), "again": again.tolist(), "lengths": lengths,
         "caches": caches, "full_cache": tuple(model.blocks[0].attn.kv_cache.k_cache.shape),
         "written": written, "after_reset": after_reset,
         "collectives": [count_collectives(gm)["forward"] for gm in graphs],
@@ -64,13 +67,15 @@ def static_cache(rank: int, world_size: int, cases: list) -> dict:
 
 # ----------------------------------------------------------------- Hugging Face generate
 
-def hf_causal_lm(name: str):
-    """Tiny random-init causal LMs (hidden 64, 2 layers, vocab 256), never downloaded."""
+def hf_causal_lm(name: str, positions: int = 64):
+    """Tiny random-init causal LMs (hidden 64, 2 layers, vocab 256), never downloaded;
+    ``positions``: a Llama-like model's position limit."""
     import transformers as tf
 
     torch.manual_seed(0)
     llama_like = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=positions)
     if name == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
                                                 n_positions=64, resid_pdrop=0, embd_pdrop=0,
@@ -127,6 +132,43 @@ def hf_generate(rank: int, world_size: int, names: list, train: bool = False,
     out = {name: _hf_case(name, sample) for name in names}
     if train:
         out["train"] = train_then_generate(rank, world_size)
+    return out
+
+
+# (prompt, new tokens): the first five fit the 64-position cache bucket, the sixth needs the
+# 128 one, the last is back in the first
+LENGTHS = [(2, 5), (6, 3), (7, 9), (9, 2), (1, 4), (60, 40), (5, 4)]
+
+
+def prompt_lengths(rank: int, world_size: int, name: str) -> list:
+    """Greedy ``generate`` at each of :data:`LENGTHS` (left-padded) next to the unsharded
+    model's, counting captures (``SignatureCapture`` calls) and reading the module store."""
+    import tpcompile.api as api
+
+    captures, original = [], api.SignatureCapture.__call__
+
+    def counted(self, *args, **kwargs):
+        captures.append(args[0][0].shape)
+        return original(self, *args, **kwargs)
+
+    model = hf_causal_lm(name, positions=256).eval()
+    ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    tp = tpcompile.parallelize(model, (ids[:, :6],),
+                               example_kwargs={"attention_mask": torch.ones_like(ids[:, :6])})
+    api.SignatureCapture.__call__ = counted
+    out = []
+    try:
+        for length, new in LENGTHS:
+            mask = torch.ones(2, length, dtype=torch.long)
+            mask[1, :length // 2] = 0  # left padding
+            args = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            tokens = tp.generate(ids[:, :length], **args).tolist()
+            out.append({"equal": tokens == model.generate(ids[:, :length], **args).tolist(),
+                        "captures": len(captures), "buckets": [k[1] for k in tp._generation],
+                        "cache_held": [not any(b.is_meta for b in m.buffers())
+                                       for m in tp._generation.values()]})
+    finally:
+        api.SignatureCapture.__call__ = original
     return out
 
 
