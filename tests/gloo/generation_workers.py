@@ -7,7 +7,9 @@ holds, the collectives each call signature's graph issues, and how bad calls are
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -169,6 +171,54 @@ def prompt_lengths(rank: int, world_size: int, name: str) -> list:
                                        for m in tp._generation.values()]})
     finally:
         api.SignatureCapture.__call__ = original
+    return out
+
+
+def _stderr_of(fn) -> str:
+    """What ``fn()`` wrote to this process's stderr (file descriptor 2: loggers and warnings)."""
+    with tempfile.TemporaryFile(mode="w+") as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        return f.read()
+
+
+def decode_calls(rank: int, world_size: int) -> dict:
+    """Per check mode: tokens, and how many of a 4-token ``generate``'s model calls go through
+    a module (``TPModule.forward``: its checks) rather than straight to the decode graph; and
+    the error for a pad token outside the vocabulary."""
+    from tpcompile.runtime.module import TPModule
+
+    model = hf_causal_lm("llama").eval()
+    ids, mask = _prompt()
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want, calls, original = model.generate(ids, **args).tolist(), [], TPModule.forward
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    out, tps = {}, {}
+    for mode in ("new", "every"):
+        tp = tps[mode] = tpcompile.parallelize(model, (ids,), check_calls=mode,
+                                               example_kwargs={"attention_mask": mask})
+        # captures the prefill and the decode step: export's own notes stay quiet
+        out[f"{mode} stderr"] = _stderr_of(lambda: tp.generate(ids, **args))
+        TPModule.forward, calls[:] = counted, []
+        try:
+            tokens = tp.generate(ids, **args).tolist()
+        finally:
+            TPModule.forward = original
+        out[mode] = {"equal": tokens == want, "module_calls": len(calls)}
+    out["bad_pad"] = _error(lambda: tps["new"].generate(ids, attention_mask=mask, max_new_tokens=3,
+                                                        eos_token_id=5, pad_token_id=999))
     return out
 
 

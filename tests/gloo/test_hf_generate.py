@@ -105,6 +105,18 @@ def test_prompt_lengths_share_one_capture_per_cache_bucket(ws, name):
         assert [c["cache_held"] for c in per_rank] == [[True]] * 5 + [[False, True]] * 2
 
 
+def test_decode_steps_after_the_first_skip_the_checks_they_repeat():
+    """check_calls="new": the prefill and the first decode step go through the module (its
+    checks, the ranks' agreement), the 2 later steps call the decode graph; "every" checks all
+    4 calls. A pad token outside the vocabulary is refused before the loop feeds it. The
+    captures print nothing of export's ("... specialized; Dim.AUTO was specified ...")."""
+    for c in run_on_ranks(f"{WORKERS}:decode_calls", 2):
+        assert c["new"] == {"equal": True, "module_calls": 2}
+        assert c["every"] == {"equal": True, "module_calls": 4}
+        assert "specialized" not in c["new stderr"] + c["every stderr"]  # export's Dim.AUTO notes
+        assert c["bad_pad"].startswith("InputError: input input_ids: token id 999 is out of range")
+
+
 @pytest.mark.slow
 def test_compiled_generate_matches_eager():
     """``tp.compile_generation``: decode steps through torch.compile (inductor), same tokens."""

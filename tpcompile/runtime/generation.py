@@ -26,11 +26,22 @@ __all__ = ["generate"]
 
 
 class _Steps:
-    """The model calls of one ``generate``: a prefill, then one-token decode steps."""
+    """The model calls of one ``generate``: a prefill, then one-token decode steps.
 
-    def __init__(self, tp, module, mask: torch.Tensor, max_len: int):
+    The first decode step goes through the module: its input checks, the capture of the
+    one-token signature, the ranks' agreement on the call. In the default check mode
+    (``"new"``) later steps call that step's graph directly: they have its shapes and dtypes,
+    and every rank builds them identically (the tokens are broadcast from one rank; the mask
+    and positions follow from the prefill's, which the module checked), so a check would only
+    repeat the first step's verdict, while its Python (flattening, signature matching, the
+    call's description) costs as much as a small model's step. The pad token a finished row
+    feeds is checked once, against the embedding table. ``check_calls="every"`` checks every
+    step, as asked.
+    """
+
+    def __init__(self, tp, module, mask: torch.Tensor, max_len: int, pad: int | None):
         batch, self.pos = mask.shape
-        self.tp, self.module = tp, module
+        self.tp, self.module, self.pad, self.graph = tp, module, pad, None
         self.full = mask.new_zeros(batch, max_len)
         self.full[:, :self.pos] = mask
         self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
@@ -46,7 +57,14 @@ class _Steps:
         args = (tokens[:, None], self.full, self.positions,
                 torch.tensor([self.pos], device=tokens.device))
         self.pos += 1
-        return _decode_step(self.tp, self.module)(*args)
+        if self.graph is not None:
+            return self.graph(*args)
+        logits = _decode_step(self.tp, self.module)(*args)
+        if self.tp.generation_compile is None and self.module.call_check.mode == "new":
+            spec, self.graph = self.module._graph_for(args, {})
+            if self.pad is not None:
+                spec.check((torch.full_like(args[0], self.pad),) + args[1:], {})
+        return logits
 
 
 def _decode_step(tp, module):
@@ -112,7 +130,7 @@ def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = 
     module = cached_module(tp, batch, max_len)
     module.reset_caches()
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-    steps = _Steps(tp, module, mask, max_len)
+    steps = _Steps(tp, module, mask, max_len, pad if len(eos) else None)
     logits = steps.prefill(input_ids)
     sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=device)
     source = dist.get_global_rank(tp.group, 0)
