@@ -7,6 +7,10 @@ holds, the collectives each call signature's graph issues, and how bad calls are
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+
 import torch
 import torch.distributed as dist
 
@@ -38,9 +42,12 @@ def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool) -> dict:
     tp.reset_caches()
     after_reset = sum(float(b.abs().sum()) for n, b in tp.named_buffers() if "cache" in n)
     again = greedy(tp, prompt, NEW)  # after a reset: the same tokens again
+    longer = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    lengths = [greedy(tp, longer[:, :t], n).tolist() == greedy(model, longer[:, :t], n).tolist()
+               for t, n in ((3, 4), (9, 3))]  # other prompt lengths: the same two captures
     graphs = [tp.graph_module] + [gm for _, gm in tp.signatures]
     return {
-        "tokens": got.tolist(), "want": want.tolist(), "again": again.tolist(),
+        "tokens": got.tolist(), "want": want.tolist(), "again": again.tolist(), "lengths": lengths,
         "caches": caches, "full_cache": tuple(model.blocks[0].attn.kv_cache.k_cache.shape),
         "written": written, "after_reset": after_reset,
         "collectives": [count_collectives(gm)["forward"] for gm in graphs],
@@ -94,6 +101,91 @@ def hf_generate(rank: int, world_size: int, names: list, train: bool = False,
     out = {name: _hf_case(name, sample) for name in names}
     if train:
         out["train"] = train_then_generate(rank, world_size)
+    return out
+
+
+# (prompt, new tokens): the first five fit the 64-position cache bucket, the sixth needs the
+# 128 one, the last is back in the first
+LENGTHS = [(2, 5), (6, 3), (7, 9), (9, 2), (1, 4), (60, 40), (5, 4)]
+
+
+def prompt_lengths(rank: int, world_size: int, name: str) -> list:
+    """Greedy ``generate`` at each of :data:`LENGTHS` (left-padded) next to the unsharded
+    model's, counting captures (``SignatureCapture`` calls) and reading the module store."""
+    import tpcompile.api as api
+
+    captures, original = [], api.SignatureCapture.__call__
+
+    def counted(self, *args, **kwargs):
+        captures.append(args[0][0].shape)
+        return original(self, *args, **kwargs)
+
+    model = hf_causal_lm(name, positions=256).eval()
+    ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    tp = tpcompile.parallelize(model, (ids[:, :6],),
+                               example_kwargs={"attention_mask": torch.ones_like(ids[:, :6])})
+    api.SignatureCapture.__call__ = counted
+    out = []
+    try:
+        for length, new in LENGTHS:
+            mask = torch.ones(2, length, dtype=torch.long)
+            mask[1, :length // 2] = 0  # left padding
+            args = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            tokens = tp.generate(ids[:, :length], **args).tolist()
+            out.append({"equal": tokens == model.generate(ids[:, :length], **args).tolist(),
+                        "captures": len(captures), "buckets": [k[1] for k in tp._generation],
+                        "cache_held": [not any(b.is_meta for b in m.buffers())
+                                       for m in tp._generation.values()]})
+    finally:
+        api.SignatureCapture.__call__ = original
+    return out
+
+
+def _stderr_of(fn) -> str:
+    """What ``fn()`` wrote to this process's stderr (file descriptor 2: loggers and warnings)."""
+    with tempfile.TemporaryFile(mode="w+") as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        return f.read()
+
+
+def decode_calls(rank: int, world_size: int) -> dict:
+    """Per check mode: tokens, and how many of a 4-token ``generate``'s model calls go through
+    a module (``TPModule.forward``: its checks) rather than straight to the decode graph; and
+    the error for a pad token outside the vocabulary."""
+    from tpcompile.runtime.module import TPModule
+
+    model = hf_causal_lm("llama").eval()
+    ids, mask = hf_prompt()
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want, calls, original = model.generate(ids, **args).tolist(), [], TPModule.forward
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    out, tps = {}, {}
+    for mode in ("new", "every"):
+        tp = tps[mode] = tpcompile.parallelize(model, (ids,), check_calls=mode,
+                                               example_kwargs={"attention_mask": mask})
+        # captures the prefill and the decode step: export's own notes stay quiet
+        out[f"{mode} stderr"] = _stderr_of(lambda: tp.generate(ids, **args))
+        TPModule.forward, calls[:] = counted, []
+        try:
+            tokens = tp.generate(ids, **args).tolist()
+        finally:
+            TPModule.forward = original
+        out[mode] = {"equal": tokens == want, "module_calls": len(calls)}
+    out["bad_pad"] = _error(lambda: tps["new"].generate(ids, attention_mask=mask, max_new_tokens=3,
+                                                        eos_token_id=5, pad_token_id=999))
     return out
 
 

@@ -6,7 +6,9 @@ unsharded model's ``generate``, through ``tpcompile.from_pretrained`` and throug
 wraps, with the RoPE tables recomputed from the config (no ``buffers_of`` factory) and every
 tensor, the static cache's included, on CPU. CI: ``from_pretrained`` at 2 ranks; the recipe
 by hand at 2 ranks and ``from_pretrained`` at 4 (fewer kv heads than ranks) are
-``pytest -m slow``.
+``pytest -m slow``. The real-size benchmark's path (bench/generation_checkpoint.py: save,
+``from_pretrained``, first tokens at a repeated and at new prompt lengths, decode steps, memory)
+runs in CI on a tiny tied-embedding Llama.
 """
 
 from __future__ import annotations
@@ -55,3 +57,24 @@ def test_checkpoint_directory_generates_the_unsharded_tokens(checkpoint, ws, pat
     directory, want, inv_freq = checkpoint
     _check(run_on_ranks(f"{WORKERS}:from_checkpoint", ws, directory, [path]), ws, path, want,
            inv_freq)
+
+
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=True)
+
+
+def test_benchmark_path_on_a_tiny_checkpoint(tmp_path):
+    """bench/generation_checkpoint.py's run, as for the 1B model: tokens equal the unsharded
+    model's at two prompt lengths, new prompt lengths start no capture, every measure taken."""
+    from bench import generation_checkpoint as module
+
+    result = module.run(str(tmp_path), TINY_LLAMA, 2)
+    assert len(result["ranks"]) == 2
+    for r in result["ranks"]:
+        assert r["tokens"] == result["reference"]["tokens"]
+        assert r["new_length_captures"] == 0
+        assert all(r[k] > 0 for k in ("parallelize_s", "load_s", "ttft_first_s",
+                                      "ttft_repeated_s", "ttft_new_length_s", "step_module_s",
+                                      "step_graph_s", "shard_bytes", "peak_rss"))
+    assert "| greedy tokens = unsharded" in module.table(result)

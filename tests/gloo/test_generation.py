@@ -1,10 +1,10 @@
 """Generation with a static KV cache the model owns (gpt-fast style), on gloo ranks.
 
 One :class:`TPModule` serves the prefill call and the one-token decode calls (two captures
-sharing every tensor); greedy tokens equal the unsharded model's; the cache is sharded on its
-kv-head dim (1/N per rank), written locally; a decode step issues one all-reduce per
-attention block and one per MLP block, nothing else; bad positions and batches are refused
-before any collective, and the ranks keep working afterwards.
+sharing every tensor, whatever the prompt length); greedy tokens equal the unsharded model's;
+the cache is sharded on its kv-head dim (1/N per rank), written locally; a decode step issues
+one all-reduce per attention block and one per MLP block, nothing else; bad positions and
+batches are refused before any collective, and the ranks keep working afterwards.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def test_greedy_tokens_equal_the_unsharded_model(results, ws):
     for _, c in _every(results, ws):
         assert c["tokens"] == c["want"]
         assert c["again"] == c["want"]  # after reset_caches
+        assert c["lengths"] == [True, True]  # prompts of 3 and 9 tokens, 4 and 3 new ones
 
 
 @pytest.mark.parametrize("ws", sorted(CASES))

@@ -4,7 +4,8 @@ Greedy decoding returns exactly ``model.generate``'s tokens on a left-padded bat
 (top-k, top-p, temperature) with the unsharded model's seed returns its tokens too, on every
 rank although the ranks are seeded apart (tokens are chosen on one rank and broadcast). The
 static KV cache is sharded on kv heads, the parameters are the module's own shards, and a
-decode step issues one all-reduce per attention block and one per MLP block.
+decode step issues one all-reduce per attention block and one per MLP block. Prompts of
+other lengths and other numbers of new tokens reuse the captures of their cache bucket.
 
 CI runs Llama (GQA) and GPT-2 (Conv1D, fused c_attn) at 2 ranks, and a Llama with fewer kv
 heads than ranks (8 query heads over 2 kv heads) at 4; the same over 1 kv head (MQA) and
@@ -28,7 +29,8 @@ ALL = ["llama", "qwen2", "mistral", "gpt2", "qwen3"]
 # (query heads, kv heads) of the tiny configs (hidden 64)
 HEADS = {"gpt2": (4, 4), "llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
 HEAD_DIM = {"qwen3": 128}  # Qwen3Config's own head_dim; the others: hidden / query heads
-LAYERS, BATCH, CACHE_LEN, HIDDEN = 2, 2, 6 + 4, 64  # cache: the prompt and 4 new tokens
+# cache: the prompt and 4 new tokens in the smallest bucket, the models' 64 positions
+LAYERS, BATCH, CACHE_LEN, HIDDEN = 2, 2, 64, 64
 
 
 def covered_kv_heads(hq: int, hk: int, ws: int, rank: int) -> int:
@@ -88,6 +90,31 @@ def test_generate_after_training_uses_the_updated_shards(fast):
         assert c["tokens"] == c["want"]
         assert c["want"] != c["before"]  # training changed what the model generates
         assert c["loss_err"] <= 1e-5
+
+
+@pytest.mark.parametrize("ws, name", [(2, "llama"), (4, "llama_8q2kv")])
+def test_prompt_lengths_share_one_capture_per_cache_bucket(ws, name):
+    """Prompts of 1 to 9 tokens with 2 to 9 new ones (left-padded): one prefill and one decode
+    capture serve them all (the 64-position bucket); 60 + 40 tokens capture the 128 bucket and
+    release the first bucket's cache, which a short prompt then reuses without a capture.
+    Tokens equal the unsharded model's throughout."""
+    for per_rank in run_on_ranks(f"{WORKERS}:prompt_lengths", ws, name):
+        assert all(c["equal"] for c in per_rank)
+        assert [c["captures"] for c in per_rank] == [2, 2, 2, 2, 2, 4, 4]
+        assert [c["buckets"] for c in per_rank] == [[64]] * 5 + [[64, 128], [128, 64]]
+        assert [c["cache_held"] for c in per_rank] == [[True]] * 5 + [[False, True]] * 2
+
+
+def test_decode_steps_after_the_first_skip_the_checks_they_repeat():
+    """check_calls="new": the prefill and the first decode step go through the module (its
+    checks, the ranks' agreement), the 2 later steps call the decode graph; "every" checks all
+    4 calls. A pad token outside the vocabulary is refused before the loop feeds it. The
+    captures print nothing of export's ("... specialized; Dim.AUTO was specified ...")."""
+    for c in run_on_ranks(f"{WORKERS}:decode_calls", 2):
+        assert c["new"] == {"equal": True, "module_calls": 2}
+        assert c["every"] == {"equal": True, "module_calls": 4}
+        assert "specialized" not in c["new stderr"] + c["every stderr"]  # export's Dim.AUTO notes
+        assert c["bad_pad"].startswith("InputError: input input_ids: token id 999 is out of range")
 
 
 @pytest.mark.slow

@@ -1,12 +1,10 @@
 """``TPModule.generate``: Hugging Face ``model.generate`` on this rank's shards.
 
 The module ``parallelize`` returned runs the graph captured for its example call (no KV cache:
-Hugging Face models are captured with ``use_cache=False``). Generation captures, once per
-(batch, cache length), a wrapper that owns a ``transformers`` ``StaticCache`` as buffers
-(:class:`StaticCacheLM`, after ``transformers.integrations.executorch``): the cache is written
-in place at each step's positions, so the planner shards it on its kv-head dim like the k and
-v activations it stores, and the write stays local. Its parameters are the module's own
-tensors (the shards training updates), bound by name; only the cache is allocated anew.
+Hugging Face models are captured with ``use_cache=False``). Generation runs a module captured
+around a static KV cache instead (:mod:`tpcompile.runtime.static_cache`), one per batch size
+and cache bucket, kept across calls (:mod:`tpcompile.runtime.cache_modules`): a new prompt
+length within the bucket needs no capture.
 
 The loop is ``GenerationMixin.generate``'s, reusing its pieces on the model's meta skeleton:
 the generation config (``_prepare_generation_config``), the logits processors and warpers
@@ -18,107 +16,55 @@ seed it as you would seed the unsharded model).
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tpcompile.errors import InputError, TPCompileError
+from tpcompile.runtime.cache_modules import cache_length, cached_module
 
-__all__ = ["StaticCacheLM", "generate"]
-
-
-class StaticCacheLM(nn.Module):
-    """``forward(input_ids, attention_mask (B, max_len), position_ids, cache_position) -> logits``
-    of a causal LM whose ``StaticCache`` tensors are this module's buffers."""
-
-    def __init__(self, model: nn.Module, batch: int, max_len: int, gqa_in_sdpa: bool = False):
-        super().__init__()
-        self.gqa_in_sdpa = gqa_in_sdpa
-        from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
-        from transformers.integrations.executorch import get_head_shapes
-
-        self.model = model
-        config = model.config.get_text_config()
-        self.cache = StaticCache(max_cache_len=max_len, config=config)
-        for i, layer in enumerate(self.cache.layers):
-            # its roll-over is data-dependent control flow export cannot capture; up to the
-            # window (generate checks the length) a full static layer computes the same
-            if isinstance(layer, StaticSlidingWindowLayer):
-                self.cache.layers[i] = StaticLayer(max_len)
-        heads, head_dim = get_head_shapes(config)
-        weight = next(model.parameters())
-        self.cache.early_initialization(batch, heads, head_dim, weight.dtype, weight.device)
-        for i, layer in enumerate(self.cache.layers):
-            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
-            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
-            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
-
-    def forward(self, input_ids, attention_mask, position_ids, cache_position):
-        for i, layer in enumerate(self.cache.layers):
-            # the buffers themselves, not the tensors the cache object captured at init:
-            # export traces module buffers, and the rank's shards replace them
-            layer.keys, layer.values = getattr(self, f"key_cache_{i}"), getattr(self, f"value_cache_{i}")
-            layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
-            layer.cumulative_length.copy_(cache_position[0])
-        with _sdpa_gqa(self.gqa_in_sdpa):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, cache=self.cache, use_cache=True).logits
+__all__ = ["generate"]
 
 
-@contextmanager
-def _sdpa_gqa(on: bool):
-    """While tracing, let transformers' SDPA attention read grouped kv heads itself.
+class _Steps:
+    """The model calls of one ``generate``: a prefill, then one-token decode steps.
 
-    Under export, transformers repeats the kv heads (``repeat_kv``: expand + reshape) unless
-    ``TRANSFORMERS_SDPA_FORCE_GQA`` asks for SDPA's ``enable_gqa``. With fewer kv heads than
-    ranks the planner can only cut the repeated heads, so k, v and the cache they are stored
-    in stay whole; through ``enable_gqa`` each rank stores just the kv heads its query heads
-    read (``Layout.cover``). Same math; only the traced spelling changes.
+    The first decode step goes through the module: its input checks, the capture of the
+    one-token signature, the ranks' agreement on the call. In the default check mode
+    (``"new"``) later steps call that step's graph directly: they have its shapes and dtypes,
+    and every rank builds them identically (the tokens are broadcast from one rank; the mask
+    and positions follow from the prefill's, which the module checked), so a check would only
+    repeat the first step's verdict, while its Python (flattening, signature matching, the
+    call's description) costs as much as a small model's step. The pad token a finished row
+    feeds is checked once, against the embedding table. ``check_calls="every"`` checks every
+    step, as asked.
     """
-    if not on:
-        yield
-        return
-    before = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
-        else:
-            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = before
 
+    def __init__(self, tp, module, mask: torch.Tensor, max_len: int, pad: int | None):
+        batch, self.pos = mask.shape
+        self.tp, self.module, self.pad, self.graph = tp, module, pad, None
+        self.full = mask.new_zeros(batch, max_len)
+        self.full[:, :self.pos] = mask
+        self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
-def _cached_module(tp, batch: int, max_len: int, prompt_len: int):
-    """The module (of ``type(tp)``) running the static-cache wrapper for this batch and length."""
-    from tpcompile.runtime.signatures import bind_tensors
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cache_position = torch.arange(self.pos, device=input_ids.device)
+        return self.module(input_ids, self.full, self.positions, cache_position)
 
-    store = tp.__dict__.setdefault("_generation", {})
-    key = (batch, max_len)
-    if key not in store:
-        capture = tp.skeleton_capture
-        config = capture.skeleton.config.get_text_config()
-        kv_heads = getattr(config, "num_key_value_heads", None)
-        # fewer kv heads than ranks: attend through SDPA's enable_gqa (see _sdpa_gqa)
-        gqa = (kv_heads is not None and kv_heads < dist.get_world_size(tp.group)
-               and getattr(config, "_attn_implementation", None) == "sdpa")
-        wrapper = StaticCacheLM(capture.skeleton, batch, max_len, gqa_in_sdpa=gqa)
-        n = max(prompt_len, 2)
-        meta = dict(device="meta", dtype=torch.long)
-        example = (torch.empty(batch, n, **meta), torch.empty(batch, max_len, **meta),
-                   torch.empty(batch, n, **meta), torch.empty(n, **meta))
-        device = next(tp.parameters(), torch.empty(0)).device  # the example is meta, shards not
-        gm, plan = capture(example, {}, module=wrapper, prefix="model.", device=device)
-        bind_tensors(gm, tp, plan, prefix="model.", rank=tp.rank)
-        inner = type(tp)(gm, plan, tp.rank, tp.group, tp.call_check.mode)
-        inner.capture_signature = lambda args, kwargs: capture(args, kwargs, module=wrapper,
-                                                               prefix="model.")
-        store.clear()  # one cache at a time: a new batch or length frees the last one
-        store[key] = inner
-    return store[key]
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits after feeding ``tokens`` (batch,) at the next position."""
+        self.full[:, self.pos] = 1
+        self.positions = self.positions[:, -1:] + 1
+        args = (tokens[:, None], self.full, self.positions,
+                torch.tensor([self.pos], device=tokens.device))
+        self.pos += 1
+        if self.graph is not None:
+            return self.graph(*args)
+        logits = _decode_step(self.tp, self.module)(*args)
+        if self.tp.generation_compile is None and self.module.call_check.mode == "new":
+            spec, self.graph = self.module._graph_for(args, {})
+            if self.pad is not None:
+                spec.check((torch.full_like(args[0], self.pad),) + args[1:], {})
+        return logits
 
 
 def _decode_step(tp, module):
@@ -131,16 +77,8 @@ def _decode_step(tp, module):
     return module.__dict__["compiled_decode"]
 
 
-@torch.no_grad()
-def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             generation_config=None, **kwargs) -> torch.Tensor:
-    """See :meth:`tpcompile.TPModule.generate`."""
-    skeleton = getattr(tp.skeleton_capture, "skeleton", None)
-    if skeleton is None or not callable(getattr(skeleton, "_get_logits_processor", None)):
-        raise TPCompileError("generate() needs a Hugging Face causal LM (a GenerationMixin) "
-                             "parallelized with tpcompile.parallelize")
-    from transformers.generation.logits_process import LogitsProcessorList
-
+def _settings(skeleton, input_ids: torch.Tensor, generation_config, kwargs: dict):
+    """The generation config and the number of new tokens, refusing what is not supported."""
     config, unused = skeleton._prepare_generation_config(generation_config, **kwargs)
     if unused:
         raise InputError(f"generate() got arguments it does not use: {sorted(unused)}\n  hint: "
@@ -151,7 +89,7 @@ def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = 
                          f"num_return_sequences={config.num_return_sequences}")
     if input_ids.dim() != 2:
         raise InputError(f"input_ids must be (batch, length), got {list(input_ids.shape)}")
-    batch, length = input_ids.shape
+    length = input_ids.shape[1]
     new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - length
     if new < 1:
         raise InputError(f"nothing to generate: max_new_tokens={new}")
@@ -160,20 +98,41 @@ def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = 
         raise InputError(f"{length} prompt + {new} new tokens exceed the sliding window of "
                          f"{window}: tpcompile's static cache serves sliding-window layers only "
                          "up to the window")
+    return config, new
+
+
+def _bucket(skeleton, needed: int) -> int:
+    """The cache length for ``needed`` positions, within the model's position limits."""
+    text = skeleton.config.get_text_config()
+    limits = [getattr(text, name, None) for name in ("sliding_window", "max_position_embeddings")]
+    return cache_length(needed, min((x for x in limits if x), default=None))
+
+
+@torch.no_grad()
+def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generation_config=None, **kwargs) -> torch.Tensor:
+    """See :meth:`tpcompile.TPModule.generate`."""
+    skeleton = getattr(tp.skeleton_capture, "skeleton", None)
+    if skeleton is None or not callable(getattr(skeleton, "_get_logits_processor", None)):
+        raise TPCompileError("generate() needs a Hugging Face causal LM (a GenerationMixin) "
+                             "parallelized with tpcompile.parallelize")
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    config, new = _settings(skeleton, input_ids, generation_config, kwargs)
+    (batch, length), device = input_ids.shape, input_ids.device
     processors = skeleton._get_logits_processor(
         generation_config=config, input_ids_seq_length=length, encoder_input_ids=input_ids,
-        logits_processor=LogitsProcessorList(), device=input_ids.device)
+        logits_processor=LogitsProcessorList(), device=device)
     eos = config.eos_token_id
-    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=input_ids.device)
+    eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-    module = _cached_module(tp, batch, length + new, length)
+    max_len = _bucket(skeleton, length + new)
+    module = cached_module(tp, batch, max_len)
     module.reset_caches()
-    full = torch.zeros(batch, length + new, dtype=torch.long, device=input_ids.device)
-    full[:, :length] = mask
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    logits = module(input_ids, full, positions, torch.arange(length, device=input_ids.device))
-    sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    steps = _Steps(tp, module, mask, max_len, pad if len(eos) else None)
+    logits = steps.prefill(input_ids)
+    sequences, unfinished = input_ids, torch.ones(batch, dtype=torch.bool, device=device)
     source = dist.get_global_rank(tp.group, 0)
     for step in range(new):
         scores = processors(sequences, logits[:, -1].to(torch.float32))
@@ -188,8 +147,5 @@ def generate(tp, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = 
         sequences = torch.cat([sequences, chosen[:, None]], dim=1)
         if step == new - 1 or not bool(unfinished.any()):
             break
-        full[:, length + step] = 1
-        positions = positions[:, -1:] + 1
-        logits = _decode_step(tp, module)(chosen[:, None], full, positions,
-                                          torch.tensor([length + step], device=input_ids.device))
+        logits = steps.decode(chosen)
     return sequences

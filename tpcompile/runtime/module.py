@@ -98,8 +98,9 @@ class TPModule(nn.Module):
         ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``eos_token_id``, ``pad_token_id`` or a ``generation_config``, as for ``generate``;
         left-padded batches with their ``attention_mask``. A static KV cache sharded on kv
-        heads is captured once per batch size and length (see tpcompile.runtime.generation);
-        its graphs read this module's parameters, so a training step's updates are used.
+        heads is captured once per batch size and cache bucket, whatever the prompt length
+        (see tpcompile.runtime.cache_modules); its graphs read this module's parameters, so a
+        training step's updates are used.
         Returns the prompts followed by the new tokens, the same on every rank.
         """
         from tpcompile.runtime.generation import generate

@@ -1,0 +1,79 @@
+"""The static-cache wrapper ``generate`` captures: a causal LM whose KV cache is its buffers.
+
+:class:`StaticCacheLM` (after ``transformers.integrations.executorch``) owns a ``transformers``
+``StaticCache`` as buffers: the cache is written in place at each step's positions, so the
+planner shards it on its kv-head dim like the k and v activations it stores, and the write
+stays local. Its parameters are the parallelized module's own tensors (bound by name after the
+capture); only the cache is allocated anew.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from torch import nn
+
+__all__ = ["StaticCacheLM", "sdpa_gqa"]
+
+
+class StaticCacheLM(nn.Module):
+    """``forward(input_ids, attention_mask (B, max_len), position_ids, cache_position) -> logits``
+    of a causal LM whose ``StaticCache`` tensors are this module's buffers."""
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int, gqa_in_sdpa: bool = False):
+        super().__init__()
+        self.gqa_in_sdpa = gqa_in_sdpa
+        from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+        from transformers.integrations.executorch import get_head_shapes
+
+        self.model = model
+        config = model.config.get_text_config()
+        self.cache = StaticCache(max_cache_len=max_len, config=config)
+        for i, layer in enumerate(self.cache.layers):
+            # its roll-over is data-dependent control flow export cannot capture; up to the
+            # window (generate checks the length) a full static layer computes the same
+            if isinstance(layer, StaticSlidingWindowLayer):
+                self.cache.layers[i] = StaticLayer(max_len)
+        heads, head_dim = get_head_shapes(config)
+        weight = next(model.parameters())
+        self.cache.early_initialization(batch, heads, head_dim, weight.dtype, weight.device)
+        for i, layer in enumerate(self.cache.layers):
+            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
+
+    def forward(self, input_ids, attention_mask, position_ids, cache_position):
+        for i, layer in enumerate(self.cache.layers):
+            # the buffers themselves, not the tensors the cache object captured at init:
+            # export traces module buffers, and the rank's shards replace them
+            layer.keys, layer.values = getattr(self, f"key_cache_{i}"), getattr(self, f"value_cache_{i}")
+            layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
+            layer.cumulative_length.copy_(cache_position[0])
+        with sdpa_gqa(self.gqa_in_sdpa):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, cache=self.cache, use_cache=True).logits
+
+
+@contextmanager
+def sdpa_gqa(on: bool):
+    """While tracing, let transformers' SDPA attention read grouped kv heads itself.
+
+    Under export, transformers repeats the kv heads (``repeat_kv``: expand + reshape) unless
+    ``TRANSFORMERS_SDPA_FORCE_GQA`` asks for SDPA's ``enable_gqa``. With fewer kv heads than
+    ranks the planner can only cut the repeated heads, so k, v and the cache they are stored
+    in stay whole; through ``enable_gqa`` each rank stores just the kv heads its query heads
+    read (``Layout.cover``). Same math; only the traced spelling changes.
+    """
+    if not on:
+        yield
+        return
+    before = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
+        else:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = before
