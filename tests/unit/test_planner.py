@@ -57,8 +57,13 @@ def test_llama_gqa(ws, kv_style):
     assert styles["layers.0.attention.wq.weight"] == "colwise"
     assert styles["layers.0.attention.wk.weight"] == kv_style
     assert styles["layers.0.attention.wo.weight"] == "rowwise"
-    wk = plan.params["layers.0.attention.wk.weight"]
-    assert wk.grad_sync == (kv_style == "replicate")
+    # with fewer kv heads than ranks wk stays whole and its gradient comes out whole: the
+    # gradients of k and v are synced instead (in the attention input's all-reduce), and the
+    # input's own sync is read by wq's linear alone
+    assert not plan.params["layers.0.attention.wk.weight"].grad_sync
+    kv_synced = "linear_2" in plan.grad_syncs  # v = wv(x), synced where it is read
+    assert kv_synced == (kv_style == "replicate")
+    assert plan.grad_syncs["mul_1"] == (("linear",) if kv_synced else ("linear", "linear_1", "linear_2"))
     q_local = plan.params["layers.0.attention.wq.weight"].local_shapes[0][0]
     assert q_local == 64 // ws
 
