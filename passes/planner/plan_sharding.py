@@ -50,6 +50,7 @@ from tpcompile.passes.planner.rules import (
 from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks, whole_roots,
 )
+from tpcompile.passes.planner.experts import expert_placements
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
@@ -459,6 +460,8 @@ def _style(node: fx.Node, state: Propagation) -> str:
     users = view_chain(node)[-1].users
     if p.dim == 0 and any(u.target in LOOKUPS for u in users):  # a table cut by rows
         return "vocab"
+    if state.experts.get(p.layout.root, ("",))[0] == "expert":  # cut by whole experts
+        return "expert"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"
     return "colwise"
@@ -539,6 +542,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         options=constraints.options,
         outputs=outputs,
         notes=cap.notes,
+        experts=expert_placements(state.experts, params),
     )
 
 

@@ -1,0 +1,69 @@
+"""Expert placement: how stacked expert weights are cut (``PlanOptions.experts``).
+
+A stacked expert weight is a parameter whose leading dim is a batch dim of its matmul: the
+activation and the output carry it too (``bmm(tokens[experts], W[experts].mT)``, Llama 4's
+``bmm(routed, gate_up)``, an ``einsum("etd,ehd->eth")``). Under ``experts="tensor"`` it is
+cut like any weight, column -> row inside every expert. Under ``experts="expert"`` the column
+root starts on that batch dim instead: each rank holds whole experts (``RootSpec``'s uneven
+blocks when the count does not divide), the replicated tokens are sliced to the rank's experts
+locally, every op after keeps the expert shard, and the sum over experts is a partial sum,
+all-reduced once where a consumer needs it whole: the collectives of expert-TP, with whole
+experts. Grouped matmuls (``_grouped_mm``: rows picked per expert by offsets) keep their
+experts whole on every rank, and the plan says so.
+
+What was chosen for each weight, and why, is recorded during propagation
+(:func:`choose_column`, :func:`place_experts`) and frozen per MoE module into
+``ShardingPlan.experts`` (:func:`expert_placements`), the lines ``explain`` prints.
+"""
+
+from __future__ import annotations
+
+from tpcompile.passes.planner.dims import shape
+
+__all__ = ["choose_column", "expert_label", "place_experts", "expert_placements"]
+
+
+def expert_label(labels, others, out_labels):
+    """The batch label of a stacked weight: its leading label, carried by the activation
+    (``others``) and the output too, of a weight with a matrix behind it (3-D or more)."""
+    if len(labels) < 3 or labels[0] is None:
+        return None
+    return labels[0] if labels[0] in others and labels[0] in out_labels else None
+
+
+def choose_column(op, w, labels, others, out_labels, column):
+    """The label a parameter matmul starts its root on: ``column`` (the weight's output
+    features), or under ``experts="expert"`` its expert dim when there are at least as many
+    experts as ranks. Records the choice for a stacked weight either way."""
+    expert = expert_label(labels, others, out_labels)
+    if expert is None:
+        return column
+    if op.options.experts == "tensor":
+        place_experts(op, w, "tensor", 'experts="tensor"')
+        return column
+    count, ranks = int(shape(w)[labels.index(expert)]), op.specs.world_size
+    if count < ranks:
+        place_experts(op, w, "tensor", f"{count} experts: fewer than the {ranks} ranks")
+        return column
+    place_experts(op, w, "expert", f"whole experts per rank ({op.node.name} runs each "
+                                   f"rank's experts of {op.param_behind(w).target})")
+    return expert
+
+
+def place_experts(op, w, mode: str, why: str) -> None:
+    """Record how the stacked experts behind weight ``w`` are cut (``"expert"``: whole
+    experts per rank; ``"tensor"``: each expert split column -> row), and why."""
+    op.experts_placed.setdefault(op.param_behind(w).target, (mode, why))
+
+
+def expert_placements(placed: dict, params: dict) -> dict[str, str]:
+    """MoE module -> how its stacked experts ended up cut, and why: a weight whose region was
+    later kept whole is ``replicated`` with the planner's reason."""
+    out = {}
+    for name, (mode, why) in sorted(placed.items()):
+        entry = params.get(name)
+        if entry is not None and entry.style == "replicate":
+            mode, why = "replicated", entry.reason
+        label = {"expert": "expert parallel", "tensor": "tensor parallel"}.get(mode, mode)
+        out.setdefault(name.rpartition(".")[0], f"{label}: {why}")
+    return out
