@@ -122,8 +122,10 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             ``bmm`` / ``matmul`` / ``einsum`` over the expert dim) are cut: ``"tensor"``
             splits every expert column -> row; ``"expert"`` gives each rank whole experts
             (uneven counts included), its tokens' sum over its experts a partial sum
-            all-reduced once per MoE block. Grouped matmuls (transformers' MoE kernels) stay
-            ``"tensor"``; ``explain`` says which each MoE block got, and why.
+            all-reduced once per MoE block; ``"auto"`` picks per block whichever leaves the
+            largest rank the smaller share of the expert weights (whole experts at a tie).
+            Grouped matmuls (transformers' MoE kernels) stay ``"tensor"``; ``explain`` says
+            which each MoE block got, and why. Not with ``sequence_parallel``.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;

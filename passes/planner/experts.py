@@ -18,6 +18,8 @@ What was chosen for each weight, and why, is recorded during propagation
 
 from __future__ import annotations
 
+import math
+
 from tpcompile.passes.planner.dims import shape
 
 __all__ = ["choose_column", "expert_label", "place_experts", "expert_placements"]
@@ -33,21 +35,44 @@ def expert_label(labels, others, out_labels):
 
 def choose_column(op, w, labels, others, out_labels, column):
     """The label a parameter matmul starts its root on: ``column`` (the weight's output
-    features), or under ``experts="expert"`` its expert dim when there are at least as many
-    experts as ranks. Records the choice for a stacked weight either way."""
+    features), or its expert dim when ``experts`` asks for whole experts (``"expert"``, or
+    ``"auto"`` when :func:`_auto` prefers them) and there are at least as many experts as
+    ranks. Records the choice for a stacked weight either way."""
     expert = expert_label(labels, others, out_labels)
     if expert is None:
         return column
-    if op.options.experts == "tensor":
-        place_experts(op, w, "tensor", 'experts="tensor"')
-        return column
+    mode, why = op.options.experts, f'experts="{op.options.experts}"'
     count, ranks = int(shape(w)[labels.index(expert)]), op.specs.world_size
-    if count < ranks:
-        place_experts(op, w, "tensor", f"{count} experts: fewer than the {ranks} ranks")
+    if mode == "auto":
+        width = int(shape(w)[labels.index(column)]) if column is not None else None
+        mode, why = _auto(count, width, ranks)
+    if mode == "expert" and count < ranks:
+        mode, why = "tensor", f"{count} experts: fewer than the {ranks} ranks"
+    if mode == "tensor":
+        place_experts(op, w, "tensor", why)
         return column
     place_experts(op, w, "expert", f"whole experts per rank ({op.node.name} runs each "
-                                   f"rank's experts of {op.param_behind(w).target})")
+                                   f"rank's experts of {op.param_behind(w).target})"
+                  + (f"; {why}" if op.options.experts == "auto" else ""))
     return expert
+
+
+def _auto(experts: int, width: int | None, ranks: int) -> tuple[str, str]:
+    """``experts="auto"``'s cost model. Without sequence parallelism both cuts cost the same
+    collectives, whatever the token count: one all-reduce of the block's (tokens, model
+    width) output forward and one of its input's gradient backward, no all-to-all. What
+    differs is the largest rank's share of the experts' weights, and so of their bytes and
+    FLOPs: ``ceil(E / N) / E`` whole experts against ``ceil(width / N) / width`` of every
+    expert. The smaller share wins; at a tie whole experts do (full-width matmuls, each
+    expert's weight gradient computed on one rank)."""
+    if experts < ranks:
+        return "tensor", f"{experts} experts: fewer than the {ranks} ranks"
+    by_expert = math.ceil(experts / ranks) / experts
+    if width is None:
+        return "expert", "auto: no other dim to cut"
+    by_width = math.ceil(width / ranks) / width
+    share = f"largest rank's share {by_expert:.3f} by experts, {by_width:.3f} by width {width}"
+    return ("expert" if by_expert <= by_width else "tensor"), f"auto: {share}"
 
 
 def place_experts(op, w, mode: str, why: str) -> None:

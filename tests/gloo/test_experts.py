@@ -6,6 +6,8 @@ every stacked weight is cut on its expert dim (uneven counts included: the first
 one more), each rank holds no more than its ``ceil(E / N)`` whole experts, each MoE block
 costs one forward all-reduce, ``explain`` names the placement of each block, and on gloo
 ranks the output and every gradient equal the unsharded model's at two batch / length pairs.
+``experts="auto"`` picks by the largest rank's share of the expert weights; grouped matmuls,
+fewer experts than ranks, unknown modes and sequence parallelism get their stated answers.
 """
 
 from __future__ import annotations
@@ -98,9 +100,26 @@ def test_grouped_matmul_experts_stay_tensor_parallel_and_say_why():
         assert report.params[prefix + "down_proj"].style == "rowwise"
 
 
-def test_unknown_mode_is_refused():
+@pytest.mark.parametrize("name,world_size,mode", [
+    ("stacked_4", 2, "expert"), ("stacked_4", 4, "expert"),  # 1/2 vs 1/2, 1/4 vs 1/4: a tie
+    ("stacked_6", 4, "tensor"),   # 2 of 6 experts (1/3) vs 16 of 64 features (1/4)
+    ("stacked_3", 2, "tensor"),   # 2 of 3 experts vs 32 of 64 features
+])
+def test_auto_picks_the_smaller_share_of_expert_weights(name, world_size, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = tpcompile.explain(_build(name), example_inputs(), world_size, experts="auto")
+    how = report.experts["layers.0.mlp"]
+    assert how.startswith(f"{mode} parallel") and "largest rank's share" in how, how
+    assert report.params["layers.0.mlp.w1"].style == ("expert" if mode == "expert" else "colwise")
+
+
+def test_unknown_mode_and_sequence_parallel_are_refused():
     with pytest.raises(ValueError, match="experts must be one of"):
-        tpcompile.explain(_build("stacked_4"), example_inputs(), 2, experts="auto")
+        tpcompile.explain(_build("stacked_4"), example_inputs(), 2, experts="experts")
+    with pytest.raises(ValueError, match="without sequence parallelism"):
+        tpcompile.explain(_build("stacked_4"), example_inputs(), 2, experts="expert",
+                          sequence_parallel=True)
 
 
 def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:

@@ -37,7 +37,7 @@ def placement_from_json(obj):
     return Replicate() if obj == "R" else Partial()
 
 
-EXPERT_MODES = ("tensor", "expert")
+EXPERT_MODES = ("tensor", "expert", "auto")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class PlanOptions:
     ``experts``: how stacked expert weights (a parameter whose leading dim is a batch dim of
     its matmul, ``bmm`` over ``(experts, out, in)``) are cut: ``"tensor"`` splits each
     expert's matrices column -> row like any MLP; ``"expert"`` gives each rank whole experts
-    (the batch dim cut), the sum over experts a partial sum all-reduced once.
+    (the batch dim cut), the sum over experts a partial sum all-reduced once; ``"auto"``
+    picks whichever leaves the largest rank the smaller share of the experts' weights
+    (``passes/planner/experts.py``).
     """
 
     vocab_parallel: bool = False
@@ -63,6 +65,9 @@ class PlanOptions:
     def __post_init__(self):
         if self.experts not in EXPERT_MODES:
             raise ValueError(f"experts must be one of {EXPERT_MODES}, got {self.experts!r}")
+        if self.experts != "tensor" and self.sequence_parallel:
+            raise ValueError(f"experts={self.experts!r} is planned without sequence parallelism "
+                             'only; use experts="tensor" with sequence_parallel=True')
 
     @property
     def static_dims(self) -> tuple[int, ...]:
