@@ -213,6 +213,7 @@ class OpView:
 
     @property
     def experts_placed(self) -> dict:
+        """Stacked weight -> (mode, why) recorded this round (``Propagation.experts``)."""
         return self._state.experts
 
     def is_bias(self, arg, weight) -> bool:
