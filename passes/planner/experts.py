@@ -26,11 +26,14 @@ __all__ = ["choose_column", "expert_label", "place_experts", "expert_placements"
 
 
 def expert_label(labels, others, out_labels):
-    """The batch label of a stacked weight: its leading label, carried by the activation
-    (``others``) and the output too, of a weight with a matrix behind it (3-D or more)."""
-    if len(labels) < 3 or labels[0] is None:
+    """The expert label of a stacked weight (3-D or more, a matrix per leading index): its
+    leading label, kept in the output, with a label the activation contracts behind it.
+    The activation carries it too (``bmm`` over expanded tokens) or not (an ``einsum`` that
+    broadcasts the tokens over experts, ``"td,ehd->eth"``)."""
+    if len(labels) < 3 or labels[0] is None or labels[0] not in out_labels:
         return None
-    return labels[0] if labels[0] in others and labels[0] in out_labels else None
+    contracted = any(lab in others and lab not in out_labels for lab in labels[1:])
+    return labels[0] if contracted else None
 
 
 def choose_column(op, w, labels, others, out_labels, column):
@@ -43,17 +46,21 @@ def choose_column(op, w, labels, others, out_labels, column):
         return column
     mode, why = op.options.experts, f'experts="{op.options.experts}"'
     count, ranks = int(shape(w)[labels.index(expert)]), op.specs.world_size
-    if mode == "auto":
+    if column == expert:  # the tokens are broadcast over the experts: every mode cuts them
+        mode, why = "expert", ("the first dim only the weight and the output carry, which "
+                               'experts="tensor" cuts too, is the experts (the tokens are '
+                               "broadcast over them)")
+    elif mode == "auto":
         width = int(shape(w)[labels.index(column)]) if column is not None else None
         mode, why = _auto(count, width, ranks)
-    if mode == "expert" and count < ranks:
+    elif mode == "expert" and count < ranks:
         mode, why = "tensor", f"{count} experts: fewer than the {ranks} ranks"
     if mode == "tensor":
         place_experts(op, w, "tensor", why)
         return column
     place_experts(op, w, "expert", f"whole experts per rank ({op.node.name} runs each "
                                    f"rank's experts of {op.param_behind(w).target})"
-                  + (f"; {why}" if op.options.experts == "auto" else ""))
+                  + (f"; {why}" if why != 'experts="expert"' else ""))
     return expert
 
 
@@ -69,7 +76,7 @@ def _auto(experts: int, width: int | None, ranks: int) -> tuple[str, str]:
         return "tensor", f"{experts} experts: fewer than the {ranks} ranks"
     by_expert = math.ceil(experts / ranks) / experts
     if width is None:
-        return "expert", "auto: no other dim to cut"
+        return "expert", "auto: no other output dim to cut"
     by_width = math.ceil(width / ranks) / width
     share = f"largest rank's share {by_expert:.3f} by experts, {by_width:.3f} by width {width}"
     return ("expert" if by_expert <= by_width else "tensor"), f"auto: {share}"

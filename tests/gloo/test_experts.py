@@ -1,7 +1,8 @@
 """``experts="expert"``: stacked expert weights cut by whole experts, planned and run exactly.
 
 For MoE blocks whose experts are stacked ``(experts, out, in)`` parameters applied through
-``bmm`` (zoo's ``StackedMoE``; ``ScaledTokensMoE``, Llama 4's, with a shared expert beside):
+``bmm`` (zoo's ``StackedMoE``; ``ScaledTokensMoE``, Llama 4's, with a shared expert beside)
+or ``einsum`` over tokens broadcast to the experts (``EinsumMoE``):
 every stacked weight is cut on its expert dim (uneven counts included: the first ranks take
 one more), each rank holds no more than its ``ceil(E / N)`` whole experts, each MoE block
 costs one forward all-reduce, ``explain`` names the placement of each block, and on gloo
@@ -22,6 +23,7 @@ import pytest
 import tpcompile
 from tpcompile.tools.launch import run_on_ranks
 from zoo.idioms import LM, ScaledTokensMoE, StackedMoE, example_inputs
+from zoo.idioms.mlps import EinsumMoE
 
 STACKED = ("w1", "w2", "w3")
 CASES = {  # name -> (model factory, MoE class's stacked weights, expert count)
@@ -29,8 +31,9 @@ CASES = {  # name -> (model factory, MoE class's stacked weights, expert count)
     "stacked_3": (lambda: LM(mlp=functools.partial(StackedMoE, n_experts=3)), STACKED, 3),
     "stacked_6": (lambda: LM(mlp=functools.partial(StackedMoE, n_experts=6)), STACKED, 6),
     "scaled_tokens_4": (lambda: LM(mlp=ScaledTokensMoE), ("gate_up", "down"), 4),
+    "einsum_6": (lambda: LM(mlp=functools.partial(EinsumMoE, n_experts=6)), STACKED, 6),
 }
-AT = {2: list(CASES), 4: ["stacked_4", "stacked_6", "scaled_tokens_4"]}  # 3 experts < 4 ranks
+AT = {2: list(CASES), 4: ["stacked_4", "stacked_6", "scaled_tokens_4", "einsum_6"]}  # 3 < 4
 TOLERANCE = 1e-5
 
 
@@ -74,6 +77,15 @@ def test_tensor_is_the_default_and_says_so():
     assert report.experts["layers.0.mlp"] == 'tensor parallel: experts="tensor"'
     assert report.params["layers.0.mlp.w1"].style == "colwise"
     assert report.params["layers.0.mlp.w2"].style == "rowwise"
+
+
+def test_experts_tensor_already_cuts_experts_the_tokens_are_broadcast_over():
+    """``einsum("td,ehd->eth")``: the experts are the first dim only the weight and the output
+    carry, where ``experts="tensor"`` has always cut; explain says so."""
+    report = tpcompile.explain(_build("einsum_6"), example_inputs(), 2)
+    how = report.experts["layers.0.mlp"]
+    assert how.startswith("expert parallel") and "broadcast over them" in how, how
+    assert report.params["layers.0.mlp.w1"].style == "expert"
 
 
 def test_more_ranks_than_experts_falls_back_to_tensor_with_the_reason():
