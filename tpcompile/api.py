@@ -60,7 +60,7 @@ def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs
 
     Returns ``(cap, plan)``: the planned capture (``cap.gm`` is the graph the plan names) and
     the :class:`ShardingPlan`. ``options``: ``vocab_parallel``, ``loss_parallel``,
-    ``sequence_parallel`` (see :class:`PlanOptions`). ``dynamic=False`` captures at the
+    ``sequence_parallel``, ``experts`` (see :class:`PlanOptions`). ``dynamic=False`` captures at the
     example's sizes only: the same plan, 2.5x faster on a large model, for planning that
     never runs the graph at other sizes. ``reuse_blocks=True`` exports three of the model's
     identical blocks and repeats one (:mod:`tpcompile.core.stamp`): the same plan, faster.
@@ -86,8 +86,8 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
                 vocab_parallel: bool = False, loss_parallel: bool = False,
                 sequence_parallel: bool = False, check_calls: str = "new",
-                reuse_blocks: bool = False, activation_checkpointing: str | None = None
-                ) -> TPModule:
+                reuse_blocks: bool = False, activation_checkpointing: str | None = None,
+                experts: str = "tensor") -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
@@ -118,6 +118,14 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             model that does not; ``"selective"`` too, but saves the outputs of its matmuls,
             attentions and collectives and recomputes the rest. A region that cannot be
             kept is named in a warning.
+        experts: how stacked expert weights (``(experts, out, in)`` parameters applied by
+            ``bmm`` / ``matmul`` / ``einsum`` over the expert dim) are cut: ``"tensor"``
+            splits every expert column -> row; ``"expert"`` gives each rank whole experts
+            (uneven counts included), its tokens' sum over its experts a partial sum
+            all-reduced once per MoE block; ``"auto"`` picks per block whichever leaves the
+            largest rank the smaller share of the expert weights (whole experts at a tie).
+            Grouped matmuls (transformers' MoE kernels) stay ``"tensor"``; ``explain`` says
+            which each MoE block got, and why. Not with ``sequence_parallel``.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -133,7 +141,7 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     check_mode(check_calls)  # before planning, which takes a while
     warn_if_unbounded(group)
     options = PlanOptions(vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, experts=experts)
     planned, gm = _agreed_rank_graph(model, example_inputs, example_kwargs, group, options,
                                      reuse_blocks)
     kept = _checkpoint_regions(gm, activation_checkpointing)

@@ -50,6 +50,7 @@ from tpcompile.passes.planner.rules import (
 from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, partial_grads, values_with_grad, whole_grads_into_chunks, whole_roots,
 )
+from tpcompile.passes.planner.experts import expert_placements
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
 from tpcompile.passes.planner.quantized import dequantized_readers
 from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
@@ -462,6 +463,8 @@ def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> 
     users = [reader] if reader is not None else view_chain(node)[-1].users
     if p.dim == 0 and any(is_lookup(u) for u in users):  # a table cut by rows
         return "vocab"
+    if state.experts.get(p.layout.root, ("",))[0] == "expert":  # cut by whole experts
+        return "expert"
     if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"
     return "colwise"
@@ -561,6 +564,7 @@ def _freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         options=constraints.options,
         outputs=outputs,
         notes=cap.notes,
+        experts=expert_placements(state.experts, params),
     )
 
 

@@ -25,6 +25,7 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.experts import choose_column, place_experts
 from tpcompile.passes.planner.quantized import dequantized_weight
 from tpcompile.passes.planner.rules import is_view, rule_for, shard_map
 
@@ -71,6 +72,7 @@ class Propagation:
     no_rule: dict[fx.Node, str] = field(default_factory=dict)
     specs: Specs | None = None
     output: fx.Node | None = None
+    experts: dict[str, tuple[str, str]] = field(default_factory=dict)  # stacked weight -> (mode, why)
 
 
 def _is_tensor(arg) -> bool:
@@ -181,7 +183,8 @@ class OpView:
 
         The weight is a parameter or a view of one (``w.t()``, ``w.view(...)``); its column
         label is the first of its labels the output keeps and no activation has (``n`` of
-        ``linear``, ``h`` of ``einsum("btd,dh->bth")``, the expert's output dim of a ``bmm``).
+        ``linear``, ``h`` of ``einsum("btd,dh->bth")``, the expert's output dim of a ``bmm``),
+        or a stacked weight's expert dim under ``experts="expert"`` (:mod:`.experts`).
         """
         if any(not isinstance(self.placement(a), Replicate) for a, _ in operands
                if a not in assume_replicated and _is_tensor(a)):
@@ -194,6 +197,7 @@ class OpView:
                   for lab in lab_list}
         column = next((lab for lab in labels if lab is not None and lab in out_labels
                        and lab not in others), None)
+        column = choose_column(self, w, labels, others, out_labels, column)
         layout = self.root_layout(w, labels.index(column)) if column is not None else None
         if layout is None:
             return None
@@ -202,6 +206,15 @@ class OpView:
             if arg is not w and column in lab:  # a bias over the same features
                 self.require(arg, Shard(lab.index(column), layout))
         return Shard(out_labels.index(column), layout)
+
+    def place_experts(self, w, mode: str, why: str) -> None:
+        """How the stacked experts behind ``w`` are cut, and why (see :mod:`.experts`)."""
+        place_experts(self, w, mode, why)
+
+    @property
+    def experts_placed(self) -> dict:
+        """Stacked weight -> (mode, why) recorded this round (``Propagation.experts``)."""
+        return self._state.experts
 
     def is_bias(self, arg, weight) -> bool:
         """A 1-D parameter beside the weight (``linear``'s bias) labels no activation dim."""

@@ -65,6 +65,16 @@ def test_plan_options_are_flags(tmp_path):
     assert {"reduce_scatter", "all_gather"} <= ops
 
 
+def test_experts_is_a_choice(tmp_path, capsys):
+    path = tmp_path / "moe.py"
+    path.write_text("from zoo.idioms import LM, StackedMoE, example_inputs\n"
+                    "def build():\n    return LM(mlp=StackedMoE), example_inputs()\n")
+    assert main(["explain", f"{path}:build", "--world-size", "2", "--experts", "expert",
+                 "--quiet", "--json"]) == 0
+    report = Report.from_json(capsys.readouterr().out)
+    assert report.experts["layers.0.mlp"].startswith("expert parallel")
+
+
 def test_diff_of_a_factory_file_writes_html(factories, tmp_path):
     out = tmp_path / "diff.html"
     done = run("diff", f"{factories}:build", "--world-size", "2", "--passes", "--html", str(out),

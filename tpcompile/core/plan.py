@@ -37,6 +37,9 @@ def placement_from_json(obj):
     return Replicate() if obj == "R" else Partial()
 
 
+EXPERT_MODES = ("tensor", "expert", "auto")
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """User choices that change the plan (they are part of the plan's fingerprint).
@@ -46,11 +49,25 @@ class PlanOptions:
     sharded instead of gathering them, for :func:`tpcompile.sharded_cross_entropy`.
     ``sequence_parallel``: run the code between chains (norms, residuals, dropout) on sequence
     shards of dim 1: row-parallel outputs are reduce-scattered, column-parallel inputs gathered.
+    ``experts``: how stacked expert weights (a parameter whose leading dim is a batch dim of
+    its matmul, ``bmm`` over ``(experts, out, in)``) are cut: ``"tensor"`` splits each
+    expert's matrices column -> row like any MLP; ``"expert"`` gives each rank whole experts
+    (the batch dim cut), the sum over experts a partial sum all-reduced once; ``"auto"``
+    picks whichever leaves the largest rank the smaller share of the experts' weights
+    (``passes/planner/experts.py``).
     """
 
     vocab_parallel: bool = False
     loss_parallel: bool = False
     sequence_parallel: bool = False
+    experts: str = "tensor"
+
+    def __post_init__(self):
+        if self.experts not in EXPERT_MODES:
+            raise ValueError(f"experts must be one of {EXPERT_MODES}, got {self.experts!r}")
+        if self.experts != "tensor" and self.sequence_parallel:
+            raise ValueError(f"experts={self.experts!r} is planned without sequence parallelism "
+                             'only; use experts="tensor" with sequence_parallel=True')
 
     @property
     def static_dims(self) -> tuple[int, ...]:
@@ -64,7 +81,7 @@ class ParamPlan:
 
     name: str                         # the get_attr target in the captured graph
     aliases: tuple[str, ...]          # every FQN naming the same tensor (tied weights)
-    style: str                        # colwise | rowwise | replicate
+    style: str                        # colwise | rowwise | expert | replicate
     placement: Placement
     global_shape: tuple[int, ...]
     local_shapes: tuple[tuple[int, ...], ...]  # per rank
@@ -114,6 +131,8 @@ class ShardingPlan:
     options: PlanOptions = PlanOptions()
     outputs: tuple = ()                    # placement of each flat graph output
     notes: tuple[str, ...] = ()            # what capture changed about the call
+    # module of stacked expert weights -> how its experts are cut, and why (options.experts)
+    experts: dict[str, str] = field(default_factory=dict)
 
     def output_layouts(self) -> dict[int, Layout]:
         """Flat outputs left sharded on their last dim (``loss_parallel``): index -> layout."""
@@ -157,6 +176,7 @@ class ShardingPlan:
             "options": asdict(self.options),
             "outputs": placement_to_json(list(self.outputs)),
             "notes": list(self.notes),
+            "experts": self.experts,
         }
         return json.dumps(obj, sort_keys=True)
 
@@ -187,6 +207,7 @@ class ShardingPlan:
             options=PlanOptions(**obj.get("options", {})),
             outputs=tuple(placement_from_json(obj.get("outputs", []))),
             notes=tuple(obj.get("notes", ())),
+            experts=obj.get("experts", {}),
         )
 
     # ------------------------------------------------------------------ printing
@@ -207,5 +228,6 @@ class ShardingPlan:
             lines.append(f"  kept replicated: {name}: {why}")
         for name, why in sorted(self.fallbacks.items()):
             lines.append(f"  fallback: {name}: {why}")
+        lines += [f"  experts: {m}: {how}" for m, how in sorted(self.experts.items())]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

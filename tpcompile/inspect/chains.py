@@ -36,6 +36,7 @@ class Chain:
     exits: tuple[str, ...]      # its row-parallel matmuls (their outputs are partial sums)
     nodes: frozenset[str]       # every node that reads or produces this chain's shards
     synced: tuple[str, ...]     # replicated values used in it whose gradients are all-reduced
+    experts: tuple[str, ...] = ()  # stacked expert weights cut by whole experts
 
     def describe(self) -> str:
         """'wq, wk, wv -> wo'; 'wq (wk, wv replicated) -> wo' with replicated KV blocks."""
@@ -43,6 +44,8 @@ class Chain:
             return ", ".join(n.removeprefix(self.name + ".").removesuffix(".weight")
                              for n in names if not n.endswith(".bias"))
         head = short(self.colwise)
+        if self.experts:
+            head = ", ".join(filter(None, (head, f"{short(self.experts)} by whole experts")))
         if self.replicated_blocks:
             head += f" ({short(self.replicated_blocks)} replicated)"
         return f"{head} -> {short(self.rowwise)}" if self.rowwise else head
@@ -117,9 +120,20 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
     return chains, chain_of
 
 
+def _sums_experts(node: fx.Node, plan: ShardingPlan) -> bool:
+    """``node`` sums over experts cut whole per rank: its output is a partial sum made from a
+    shard (the expert-parallel chain's exit, where a row-parallel matmul would be)."""
+    if not isinstance(plan.placements.get(node.name), Partial):
+        return False
+    expert_roots = {e.placement.layout.root for e in plan.params.values() if e.style == "expert"}
+    return any(isinstance(p, Shard) and p.layout.root in expert_roots
+               for a in node.all_input_nodes
+               for p in [plan.converted.get((a.name, node.name), plan.placements.get(a.name))])
+
+
 def _build(nodes: list[fx.Node], plan: ShardingPlan, readers: dict[fx.Node, fx.Node]) -> Chain:
     """``readers``: the matmul each quantized weight (and its scales) is dequantized for."""
-    by_style: dict[str, list[str]] = {"colwise": [], "rowwise": [], "replicate": []}
+    by_style: dict[str, list[str]] = {"colwise": [], "rowwise": [], "expert": [], "replicate": []}
     entries, exits = [], []
     for node in nodes:
         entry = plan.params.get(node.target) if node.op == "get_attr" else None
@@ -134,7 +148,12 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan, readers: dict[fx.Node, fx.N
                     entries.extend(a.name for a in user.all_input_nodes  # the activations
                                    if a is not weight and a.op != "get_attr" and a.name not in entries
                                    and dequantized_weight(a) is None)
-    params = by_style["colwise"] + by_style["rowwise"] + by_style["replicate"]
+                if entry.style == "expert" and is_param_matmul(user):
+                    entries.extend(a.name for a in user.all_input_nodes  # replicated tokens
+                                   if a is not weight and a.name not in entries
+                                   and not _roots(plan.placements.get(a.name)))
+    exits += [n.name for n in nodes if _sums_experts(n, plan)]
+    params = by_style["colwise"] + by_style["rowwise"] + by_style["expert"] + by_style["replicate"]
     owners = [p.rpartition(".")[0] for p in params] or [nodes[0].name]
     inside = [o for o in owners if layer_of(o)]  # a table outside the layers joins their chain
     name = _common_path(inside or owners) or owners[0]
@@ -143,4 +162,4 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan, readers: dict[fx.Node, fx.N
                    if v.name in plan.grad_syncs)
     return Chain(name, layer_of(name), tuple(by_style["colwise"]), tuple(by_style["rowwise"]),
                  tuple(by_style["replicate"]), tuple(entries), tuple(exits), members,
-                 tuple(sorted(synced)))
+                 tuple(sorted(synced)), tuple(by_style["expert"]))

@@ -40,7 +40,7 @@ SCHEMA = "tpcompile.explain/1"
 class ParamEntry:
     """One parameter or buffer (tied weights: one entry per name, the same tensor)."""
 
-    style: str               # colwise | rowwise | replicate (| vocab once the planner has it)
+    style: str               # colwise | rowwise | expert | replicate (| vocab once the planner has it)
     dim: int | None          # the sharded dim; None when every rank holds all of it
     global_shape: list
     local_shape: list        # on the report's rank
@@ -75,6 +75,7 @@ class Report:
     not_expressible: dict    # module -> why parallelize_module cannot do what tpcompile does
     # activation checkpointing: {"kept": [region], "dropped": [{"region", "reason"}]}
     checkpointing: dict = field(default_factory=lambda: {"kept": [], "dropped": []})
+    experts: dict = field(default_factory=dict)  # MoE module -> how its experts are cut, why
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         """Per phase, per op: the same shape of data as ``count_collectives``."""
@@ -231,5 +232,6 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         kept_replicated=_located(trace, trace.plan.replicated),
         megatron=megatron_comparison(trace, collectives),
         dtensor_plan=styles, not_expressible=missing,
-        checkpointing=_checkpointing(trace, activation_checkpointing))
+        checkpointing=_checkpointing(trace, activation_checkpointing),
+        experts=dict(trace.plan.experts))
     return page(report, block_view(report, trace)) if html else report

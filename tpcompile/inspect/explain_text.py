@@ -47,6 +47,14 @@ def _params(r) -> list[str]:
         ("parameter", "style", "dim", "global -> local", "why"), rows)
 
 
+def _experts(r) -> list[str]:
+    """One line per MoE block: whole experts per rank, or each expert split (and why)."""
+    if not r.experts:
+        return []
+    return ["experts (options.experts: how each MoE block's stacked experts are cut)"] + [
+        f"  {module}: {how}" for module, how in sorted(r.experts.items())]
+
+
 def _collectives(r) -> list[str]:
     lines = ["collectives per training step (bytes: the whole tensor reduced or gathered)"]
     if not r.collectives:
@@ -148,7 +156,7 @@ def render(r) -> str:
     inputs = ", ".join(f"{i['dtype']}[{_shape(i['shape'])}]" for i in r.inputs)
     sections = [
         [f"tpcompile explain: {r.model} on {r.world_size} ranks, example inputs {inputs}"],
-        _params(r), _collectives(r), _param_bytes(r),
+        _params(r), _experts(r), _collectives(r), _param_bytes(r),
         _located("fallbacks (gathered before an op without a sharding rule)", r.fallbacks),
         _located("kept replicated", r.kept_replicated),
         _megatron(r), _dtensor(r), _checkpointing(r.checkpointing),

@@ -10,7 +10,8 @@ calls the message size); a ring all-reduce moves about 2(N-1)/N of it per rank.
 
 Megatron's lower bound for a column -> row chain is one all-reduce forward (of the row-parallel
 matmul's output) and one backward (of the activation entering the column-parallel matmuls):
-2 + 2 per transformer layer, 1 + 1 per MLP block.
+2 + 2 per transformer layer, 1 + 1 per MLP block. An expert-parallel MoE block is one chain
+too: its sum over each rank's experts all-reduced forward, its tokens' gradient backward.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
                                            backward=0, bytes=0))
 
     for chain in trace.chains:
-        if not chain.rowwise:
+        if not (chain.rowwise or chain.experts):
             continue
         r = row(chain.layer)
         r["chains"].append(chain.name)

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from tpcompile.core.plan import EXPERT_MODES
 from tpcompile.tools.models import MODELS
 
 __all__ = ["main"]
@@ -53,6 +54,8 @@ def _add_target(p: argparse.ArgumentParser, ranks: bool = True) -> None:
                        help="build the model on the meta device: plan large models without memory")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     _add_options(p, list(OPTIONS))
+    p.add_argument("--experts", choices=EXPERT_MODES, default="tensor",
+                   help="how stacked expert weights are cut (parallelize's option)")
 
 
 OPTIONS = {"vocab-parallel": "shard token embeddings by vocabulary rows",
@@ -67,7 +70,7 @@ def _add_options(p: argparse.ArgumentParser, names: list[str]) -> None:
 
 def _options(args) -> dict:
     """parallelize's plan options, from the flags of the same names that ``args`` has."""
-    names = (name.replace("-", "_") for name in OPTIONS)
+    names = [name.replace("-", "_") for name in OPTIONS] + ["experts"]
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -122,6 +122,21 @@ class StackedMoE(nn.Module):
         return (gates.t().unsqueeze(-1) * y).sum(0).view(B, T, C)
 
 
+class EinsumMoE(StackedMoE):
+    """StackedMoE's weights applied by ``einsum``, the tokens broadcast over the experts
+    (``"td,ehd->eth"``: the activation has no expert dim), combined by a contraction over
+    the experts (``"te,etd->td"``)."""
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        weights, chosen = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        gates = torch.zeros_like(flat[:, : self.n_experts]).scatter(-1, chosen, weights)
+        h = F.silu(torch.einsum("td,ehd->eth", flat, self.w1)) * torch.einsum("td,ehd->eth", flat, self.w3)
+        y = torch.einsum("eth,edh->etd", h, self.w2)
+        return torch.einsum("te,etd->td", gates, y).view(B, T, C)
+
+
 class ScaledTokensMoE(nn.Module):
     """Llama 4: every token repeated per expert and scaled by its sigmoid routing score before
     stacked ``(experts, in, out)`` experts (one fused gate_up, bmm), plus a shared expert that

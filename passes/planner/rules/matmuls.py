@@ -110,7 +110,12 @@ def _grouped_mm(op):
     if len(shape(x)) != 2 or len(shape(w)) != 3:
         return _replicate_all(op)
     operands = [(x, ["t", "k"]), (w, [None, "k", "n"])]
-    return einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
+    out = einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
+    if isinstance(out, Shard) and op.param_behind(w) is not None:
+        op.place_experts(w, "tensor", 'experts="tensor"' if op.options.experts == "tensor" else
+                         f"{op.node.name} picks each row's expert by offsets (a grouped matmul); "
+                         "cutting its experts is not supported yet")
+    return out
 
 
 # where each convolution overload takes ``groups``
