@@ -104,11 +104,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         sequence_parallel: Megatron-SP: norms, residual adds and dropout run on sequence
             shards (dim 1 of ``(batch, seq, features)`` activations); every all-reduce becomes
             a reduce-scatter and an all-gather. The sequence length is fixed to the example's.
-        check_calls: when the ranks compare a call's input shapes and dtypes before its
-            collectives (a mismatch is an ``InputMismatchError`` on every rank): ``"new"``
-            the first call with each new signature (later ones cost a dict lookup);
-            ``"every"`` every call, which also names a rank that skipped a call or a
-            backward (one tiny gloo all-reduce per call). See docs/guarantees.md.
+        check_calls: when the ranks compare a call's inputs before its collectives: ``"new"``
+            the first call with each new signature, ``"every"`` every call (which also names a
+            rank that skipped a call or a backward). See docs/guarantees.md.
         reuse_blocks: capture three of the model's identical blocks with torch.export and
             repeat one's graph for the others: the same graph and plan, in a planning time
             that hardly grows with depth (falls back to a whole capture when blocks differ).
@@ -118,14 +116,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             model that does not; ``"selective"`` too, but saves the outputs of its matmuls,
             attentions and collectives and recomputes the rest. A region that cannot be
             kept is named in a warning.
-        experts: how stacked expert weights (``(experts, out, in)`` parameters applied by
-            ``bmm`` / ``matmul`` / ``einsum`` over the expert dim) are cut: ``"tensor"``
-            splits every expert column -> row; ``"expert"`` gives each rank whole experts
-            (uneven counts included), its tokens' sum over its experts a partial sum
-            all-reduced once per MoE block; ``"auto"`` picks per block whichever leaves the
-            largest rank the smaller share of the expert weights (whole experts at a tie).
-            Grouped matmuls (transformers' MoE kernels) stay ``"tensor"``; ``explain`` says
-            which each MoE block got, and why. Not with ``sequence_parallel``.
+        experts: how stacked ``(experts, out, in)`` expert weights are cut: ``"tensor"`` (each
+            expert column -> row), ``"expert"`` (whole experts per rank, one all-reduce per MoE
+            block) or ``"auto"`` (per block, the smaller share); see docs/parallelism.md.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
