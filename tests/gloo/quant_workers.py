@@ -42,14 +42,19 @@ def _case(kind: str) -> dict:
     }
 
 
-def quant(rank: int, world_size: int, kinds: list[str]) -> dict:
+def _each(case, kinds: list[str]) -> dict:
+    """kind -> ``case(kind)``, or the traceback it raised (reported per case by the test)."""
     out = {}
     for kind in kinds:
         try:
-            out[kind] = _case(kind)
-        except Exception:  # noqa: BLE001 - reported per case by the test
+            out[kind] = case(kind)
+        except Exception:  # noqa: BLE001
             out[kind] = {"error": traceback.format_exc()}
     return out
+
+
+def quant(rank: int, world_size: int, kinds: list[str]) -> dict:
+    return _each(_case, kinds)
 
 
 PROMPT, NEW = 8, 12
@@ -68,10 +73,4 @@ def _generation_case(kind: str) -> dict:
 
 
 def generation(rank: int, world_size: int, kinds: list[str]) -> dict:
-    out = {}
-    for kind in kinds:
-        try:
-            out[kind] = _generation_case(kind)
-        except Exception:  # noqa: BLE001 - reported per case by the test
-            out[kind] = {"error": traceback.format_exc()}
-    return out
+    return _each(_generation_case, kinds)

@@ -1,0 +1,223 @@
+"""Freeze a settled propagation into the :class:`ShardingPlan` the rewrite follows.
+
+The planner (:mod:`tpcompile.passes.planner.plan_sharding`) reruns propagation until nothing
+changes; this module reads the result once. A weight every use wants sharded the same way is
+stored sharded (``w.t()``, ``w.view(...)`` and elementwise uses carried back through the rule
+table's dim maps; quantized weights through their dequantization), each parameter gets its
+style and the reason for it, replicated values whose gradient arrives as per-rank partial sums
+get their gradient syncs (:mod:`tpcompile.passes.planner.grad_syncs`), and every conversion
+the plan's consumers need is recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from tpcompile.core.capture import Capture
+from tpcompile.core.placement import Misaligned, Partial, Replicate, Shard, Specs
+from tpcompile.core.plan import Conversion, ParamPlan, ShardingPlan
+from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.experts import expert_placements
+from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole_roots
+from tpcompile.passes.planner.propagate import (
+    Constraints, Propagation, _same, carrier_chain, view_chain,
+)
+from tpcompile.passes.planner.quantized import dequantized_readers
+from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
+from tpcompile.passes.planner.rules import (
+    is_lookup, is_param_matmul, shard_map, weight_out_first,
+)
+
+__all__ = ["consumed", "freeze", "pulled_back"]
+
+
+def consumed(state: Propagation, value: fx.Node, user: fx.Node):
+    """The placement ``user`` reads ``value`` in (after any conversion)."""
+    return state.conversions.get((value, user), state.placements.get(value))
+
+
+def _absorb_params(gm, state: Propagation) -> None:
+    """A weight every use wants sharded the same way is stored sharded; no slicing at use.
+
+    A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) or elementwise ops
+    (Mamba's ``-exp(A_log)``) is stored sharded on the dim they carry to the shard its use
+    wants: the rule table maps each op's dims.
+    """
+    specs = state.specs
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        chain = carrier_chain(node)
+        # a conversion inside the chain is where its shard is wanted (a vocabulary-parallel
+        # table sliced by rows for its lookup): the chain ends there
+        cut = next((i for i, n in enumerate(chain[:-1]) if (n, chain[i + 1]) in state.conversions),
+                   len(chain) - 1)
+        chain = chain[:cut + 1]
+        end = chain[-1]
+        wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
+        first = wanted[0] if wanted else None  # none: only export's metadata checks read it
+        if not (isinstance(first, Shard) and all(
+                isinstance(w, Shard) and _same(specs, first, w) for w in wanted)):
+            continue
+        placements = pulled_back(chain, first, specs)
+        if placements is None:
+            continue
+        for n, p in zip(chain, placements):
+            state.placements[n] = p
+        for u in end.users:
+            state.conversions.pop((end, u), None)
+
+
+def pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | None:
+    """Placements along ``chain`` that end in ``wanted``: the first dim of the weight whose
+    shard the views carry there, or None if none does."""
+    for dim in range(len(shape(chain[0]))):
+        placements = [Shard(dim, wanted.layout)]
+        for view in chain[1:]:
+            mapped = shard_map(view)(view, placements[-1])
+            if mapped is None:
+                break
+            placements.append(mapped)
+        if (len(placements) == len(chain) and _cuttable(specs, placements)
+                and _same(specs, placements[-1], wanted)):
+            return placements
+    return None
+
+
+def _cuttable(specs: Specs, placements: list[Shard]) -> bool:
+    """Each layout can be cut as its root is (a pulled-back merge may cut through a unit)."""
+    try:
+        for p in placements:
+            specs.ranges(p.layout)
+    except Misaligned:
+        return False
+    return True
+
+
+
+
+
+
+
+
+
+def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> str:
+    """``reader``: the matmul a quantized weight (or its scales) is dequantized for."""
+    p = state.placements[node]
+    if not isinstance(p, Shard) or state.specs.is_full(p.layout):
+        return "replicate"
+    users = [reader] if reader is not None else view_chain(node)[-1].users
+    if p.dim == 0 and any(is_lookup(u) for u in users):  # a table cut by rows
+        return "vocab"
+    if state.experts.get(p.layout.root, ("",))[0] == "expert":  # cut by whole experts
+        return "expert"
+    if any(isinstance(state.placements.get(u), Partial) for u in users):
+        return "rowwise"
+    return "colwise"
+
+
+def _local_shape(global_shape, placement, specs: Specs, rank: int):
+    s = list(global_shape)
+    if isinstance(placement, Shard):
+        s[placement.dim] = specs.local_size(placement.layout, rank)
+    return tuple(s)
+
+
+def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str], cap: Capture,
+                       ws: int) -> str:
+    users = list(node.users)
+    if node.target not in cap.params:
+        return "buffer"
+    if node.target in killed:
+        return killed[node.target]
+    if len(users) > 1:
+        return f"shared by {len(users)} ops ({', '.join(u.name for u in users)})"
+    user = users[0] if users else None
+    if user is not None and weight_out_first(user) and shape(node)[0] < ws:
+        return f"{shape(node)[0]} output features: fewer than the {ws} ranks, nothing to split"
+    partial = user is not None and isinstance(state.placements.get(user), Partial)
+    if partial and is_param_matmul(user):
+        return (f"{user.name} reads a partial sum: each rank applies the whole weight to its "
+                "part, before the one all-reduce")
+    if user is not None and is_param_matmul(user):
+        return "its matmul's input is not sharded on a dim it can split"
+    return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
+
+
+def _whole_dequantized(reader: fx.Node, state: Propagation, cut: list[str]) -> str:
+    """Why a quantized weight (or its scales) read by the matmul ``reader`` is stored whole;
+    ``cut``: the tensors of the same dequantization that are stored sharded."""
+    if isinstance(state.placements.get(reader), Replicate):
+        return f"quantized weight of {reader.name}, which runs replicated"
+    if cut:
+        return (f"dequantizes {', '.join(cut)} for {reader.name}: every rank's part of it reads "
+                "all of this tensor (one group's scale and zero)")
+    return (f"quantized weight of {reader.name}: no cut of the stored tensors dequantizes to the "
+            "shard it reads (a rank's share would split a group), so it is sliced at its use")
+
+
+def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
+            needs_grad: set) -> ShardingPlan:
+    gm = cap.gm
+    specs = state.specs
+    _absorb_params(gm, state)
+    absorb_dequantized(gm, state, constraints)
+    dequantized_by = dequantized_readers(gm)
+    syncs, whole = grad_syncs(gm, state, needs_grad), whole_roots(gm, state)
+    params = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):
+            continue  # an unused get_attr is a tied alias export keeps: the used one speaks for it
+        p = state.placements[node]
+        reader = dequantized_by.get(node)
+        style = _style(node, state, reader)
+        overlapping = isinstance(p, Shard) and specs.overlaps(p.layout)
+        pieces = overlapping and p.layout.root not in whole  # a whole root's gradient is whole
+        grad_sync = node.target in cap.trainable and (node.name in syncs or pieces)
+        if style == "replicate" and isinstance(p, Shard):
+            reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
+                      f"region of {next(iter(node.users)).name}")
+        elif style == "replicate" and reader is not None:
+            cut = [n.target for n, r in dequantized_by.items()
+                   if r is reader and isinstance(state.placements.get(n), Shard)]
+            reason = constraints.killed.get(node.target) or _whole_dequantized(reader, state, cut)
+        elif style == "replicate":
+            reason = _replicated_reason(node, state, constraints.killed, cap, ws)
+        else:
+            user = reader or next(iter(node.users))
+            reason = f"{style} in {user.name}" + (
+                "; replicated blocks (too few heads for every rank)" if overlapping else "")
+        gshape = tuple(int(s) for s in shape(node))
+        params[node.target] = ParamPlan(
+            name=node.target, aliases=cap.aliases.get(node.target, (node.target,)), style=style,
+            placement=p, global_shape=gshape,
+            local_shapes=tuple(_local_shape(gshape, p, specs, r) for r in range(ws)),
+            grad_sync=grad_sync, reason=reason)
+    conversions = tuple(
+        Conversion(value.name, user.name, state.placements.get(value), dst,
+                   sum_grads=value in needs_grad and partial_grads(state, value, user, dst))
+        for (value, user), dst in state.conversions.items())
+    used_roots = {p.layout.root for p in _all_shards(state.placements.values())}
+    outputs = tuple(consumed(state, a, state.output) for a in state.output.all_input_nodes)
+    return ShardingPlan(
+        world_size=ws, params=params,
+        placements={n.name: p for n, p in state.placements.items() if p is not None},
+        conversions=conversions,
+        grad_syncs=syncs,
+        roots={k: v for k, v in specs.roots.items() if k in used_roots},
+        fallbacks=dict(state.fallbacks),
+        replicated=dict(constraints.killed),
+        options=constraints.options,
+        outputs=outputs,
+        notes=cap.notes,
+        experts=expert_placements(state.experts, params),
+    )
+
+
+def _all_shards(placements):
+    for p in placements:
+        if isinstance(p, (list, tuple)):
+            yield from _all_shards(p)
+        elif isinstance(p, Shard):
+            yield p
