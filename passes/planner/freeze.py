@@ -95,13 +95,6 @@ def _cuttable(specs: Specs, placements: list[Shard]) -> bool:
     return True
 
 
-
-
-
-
-
-
-
 def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> str:
     """``reader``: the matmul a quantized weight (or its scales) is dequantized for."""
     p = state.placements[node]
@@ -164,7 +157,8 @@ def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
     _absorb_params(gm, state)
     absorb_dequantized(gm, state, constraints)
     dequantized_by = dequantized_readers(gm)
-    syncs, whole = grad_syncs(gm, state, needs_grad), whole_roots(gm, state)
+    whole = whole_roots(gm, state)
+    syncs = grad_syncs(gm, state, needs_grad, whole)
     params = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users or not isinstance(val(node), torch.Tensor):

@@ -86,9 +86,11 @@ def _root(state: Propagation, node: fx.Node) -> str | None:
     return p.layout.root if isinstance(p, Shard) else None
 
 
-def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, ...]]:
+def grad_syncs(gm, state: Propagation, needs_grad: set,
+               whole: frozenset[str]) -> dict[str, tuple[str, ...]]:
     """Replicated values some consumers differentiate only partially (per rank) -> those
     consumers, which read the value through one gradient all-reduce (Megatron's *f*).
+    ``whole``: :func:`whole_roots` of ``state`` (their values count as replicated).
 
     Sum, then reduce: a replicated value every differentiating consumer of which is partial,
     computed by a replicated op from one value that carries a gradient, passes its gradient
@@ -98,7 +100,6 @@ def grad_syncs(gm, state: Propagation, needs_grad: set) -> dict[str, tuple[str, 
     routing weights) become one.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    whole = whole_roots(gm, state)
     copies = _copies_of_whole_chunks(gm, state, needs_grad, whole)
     partial: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -125,7 +126,7 @@ def _replicated(state: Propagation, node: fx.Node, whole: frozenset[str]) -> boo
 
 
 def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node,
-                       whole: frozenset[str] = frozenset()) -> bool:
+                       whole: frozenset[str]) -> bool:
     dst = state.conversions.get((value, user))
     if dst is not None:
         return isinstance(dst, Shard) and dst.layout.root not in whole
@@ -172,11 +173,12 @@ def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
     return copies
 
 
-def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set) -> dict[str, str]:
+def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set,
+                            whole: frozenset[str]) -> dict[str, str]:
     """Roots of whole chunks a replicated value computed from them hands a gradient that is
-    whole on every rank (read by replicated code that differentiates it): root -> why."""
+    whole on every rank (read by replicated code that differentiates it): root -> why.
+    ``whole``: :func:`whole_roots` of ``state``."""
     out = {}
-    whole = whole_roots(gm, state)
     copies = _copies_of_whole_chunks(gm, state, needs_grad, whole)
     for node, partial in copies.items():
         if partial or node not in needs_grad:

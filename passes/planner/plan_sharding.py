@@ -45,7 +45,7 @@ from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.passes.planner.rules import cache_behind, is_lookup
 from tpcompile.passes.planner.grad_syncs import (
-    grad_syncs, is_distributed, values_with_grad, whole_grads_into_chunks,
+    grad_syncs, is_distributed, values_with_grad, whole_grads_into_chunks, whole_roots,
 )
 from tpcompile.passes.planner.freeze import consumed, freeze, pulled_back
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
@@ -91,11 +91,12 @@ def plan_sharding(cap: Capture, world_size: int,
             constraints.cache_cuts.update(cuts)
             continue
         dead = _dead_regions(state, options)
-        dead.update((r, why) for r, why in _written_copies(gm, state, cap.params, needs_grad).items()
-                    if r not in dead)
+        whole = whole_roots(gm, state)
+        dead.update((r, why) for r, why in _written_copies(gm, state, cap.params, needs_grad,
+                                                           whole).items() if r not in dead)
         dead.update((r, why) for r, why in _stale_ties(state, constraints).items() if r not in dead)
-        dead.update((r, why) for r, why in whole_grads_into_chunks(gm, state, needs_grad).items()
-                    if r not in dead)
+        dead.update((r, why) for r, why in whole_grads_into_chunks(gm, state, needs_grad,
+                                                                   whole).items() if r not in dead)
         if dead:
             constraints.killed.update(dead)
             continue
@@ -224,7 +225,8 @@ def _statistics_beyond_one_chain(component, reductions) -> str | None:
             "chain (one partial sum, reduced whole)")
 
 
-def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: set) -> dict[str, str]:
+def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: set,
+                    whole: frozenset[str]) -> dict[str, str]:
     """Roots whose sharded data an in-place op would write on a copy of: root -> why.
 
     The copy is a conversion, or the gradient sync (Megatron's *f*) through which a sharded
@@ -233,7 +235,7 @@ def _written_copies(gm: fx.GraphModule, state: Propagation, params, needs_grad: 
     """
     @functools.cache
     def syncs() -> dict:  # only models with in-place writes ask
-        return grad_syncs(gm, state, needs_grad)
+        return grad_syncs(gm, state, needs_grad, whole)
 
     def copied(value, user) -> bool:
         if (value, user) in state.conversions:
