@@ -109,10 +109,12 @@ def _add_advise(sub) -> None:
     from tpcompile.inspect.costs import DEVICES
 
     advise = sub.add_parser(
-        "advise", help="which tensor-parallel degree: memory and estimated step time per degree",
+        "advise", help="which TP x FSDP split, checkpointing and SP: memory and step time",
         description="Plan TARGET (on the meta device) at every tensor-parallel degree dividing "
-                    "--gpus and estimate per-rank memory, traffic and step time from a stated "
-                    "cost model (docs/visualize.md).")
+                    "--gpus, with and without sequence parallelism (only with it given "
+                    "--sequence-parallel), and estimate per-rank memory, traffic and step time "
+                    "of each data-parallel (FSDP2 or replicas) and checkpointing choice from a "
+                    "stated cost model (docs/visualize.md).")
     _add_target(advise, ranks=False)
     advise.add_argument("--gpus", type=int, required=True, help="GPUs to split into TP x DP")
     advise.add_argument("--device", choices=sorted(DEVICES),
@@ -129,6 +131,10 @@ def _add_advise(sub) -> None:
                         help="share of peak FLOP/s reached (default 0.5)")
     advise.add_argument("--inference", action="store_true",
                         help="forward only: parameters + KV cache, no gradients or optimizer")
+    advise.add_argument("--checkpointing", metavar="MODES", default="none,selective,full",
+                        help="activation checkpointing modes to weigh (default none,selective,full)")
+    advise.add_argument("--fsdp", choices=("both", "yes", "no"), default="both",
+                        help="data parallelism to weigh: FSDP2, replicas, or both (default)")
     advise.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
@@ -200,11 +206,27 @@ def _advise(args) -> int:
         import torch
         target.model.to(getattr(torch, args.dtype))
     progress(f"built {args.target} on the meta device")
+    options = _options(args)
+    sp = (True,) if options.pop("sequence_parallel") else (False, True)
+    fsdp = {"both": (False, True), "yes": (True,), "no": (False,)}[args.fsdp]
     result = advise(target.model, target.inputs, args.gpus, cost, progress=progress,
-                    **_options(args))
+                    checkpointing=_modes(args.checkpointing), fsdp=fsdp,
+                    sequence_parallel=sp, **options)
     progress("done")
     print(result.to_json() if args.json else result)
     return 0
+
+
+def _modes(text: str) -> list:
+    """``--checkpointing``'s comma-separated modes as ``parallelize``'s values."""
+    from tpcompile.tools.cli_targets import UsageError
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("none", "selective", "full")]
+    if bad or not modes:
+        raise UsageError(f"--checkpointing takes none, selective and full, got {text!r}",
+                         "e.g. --checkpointing none,full")
+    return [None if m == "none" else m for m in modes]
 
 
 def _cost_model(args):
