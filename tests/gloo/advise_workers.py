@@ -47,17 +47,26 @@ def _step(module, inputs, activations: bool) -> dict:
             "activations": retained}
 
 
-def memory(rank: int, world_size: int) -> dict:
+def _fsdp(model, inputs) -> dict:
+    """TP 2 x FSDP2 2 on a (dp, tp) mesh of 4 ranks, each dp rank on its half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    local = inputs[0].chunk(2)[mesh["dp"].get_local_rank()]
+    tp = tpcompile.parallelize(model, (local,), mesh=mesh["tp"])
+    tpcompile.fully_shard_blocks(tp, mesh["dp"])
+    return _step(tp, (local,), activations=False)
+
+
+def memory(rank: int, world_size: int, cases: list[str]) -> dict:
+    """``cases``: checkpointing modes ("none", "selective", "full") over all ranks, "fsdp"."""
     model, inputs = build()
     out = {}
-    for mode in (None, "selective", "full"):
+    for case in cases:
+        if case == "fsdp":
+            out[case] = _fsdp(model, inputs)
+            continue
+        mode = None if case == "none" else case
         tp = tpcompile.parallelize(model, inputs, activation_checkpointing=mode)
-        out[mode or "none"] = _step(tp, inputs, activations=True)
-    if world_size == 4:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        local = inputs[0].chunk(2)[mesh["dp"].get_local_rank()]
-        tp = tpcompile.parallelize(model, (local,), mesh=mesh["tp"])
-        tpcompile.fully_shard_blocks(tp, mesh["dp"])
-        out["fsdp"] = _step(tp, (local,), activations=False)
+        out[case] = _step(tp, inputs, activations=True)
     return out

@@ -137,7 +137,7 @@ def _rows(m: Measured, gpus: int, train: bool, fsdp_options, modes) -> list[Esti
     dp, out = gpus // m.tp, []
     tp_rings = [ring(c.op, c.bytes or 0, m.tp) for c in m.collectives
                 if train or c.phase == "forward"]
-    for fsdp in (f for f in fsdp_options if not f or (dp > 1 and train)):
+    for fsdp in sorted({f and dp > 1 and train for f in fsdp_options}):  # FSDP over 1: none
         params, grads, opt, unit, sent, steps = _dp_traffic(m, dp, fsdp, train)
         for mode in modes:
             act = m.activations[mode]
@@ -181,7 +181,8 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
     data-parallel rank's batch at TP 1; at degree d a TP group runs d times that batch (dim 0),
     so the global batch is the same for every degree. ``checkpointing`` (modes of
     ``parallelize``'s ``activation_checkpointing``), ``fsdp`` and ``sequence_parallel`` are the
-    choices weighed (SP only where TP > 1); inference weighs TP alone. ``options`` are
+    choices weighed (FSDP or SP over one rank is none: a degree with one data-parallel or one
+    tensor-parallel rank is weighed without); inference weighs TP alone. ``options`` are
     ``parallelize``'s other plan options; ``reuse_blocks`` plans three blocks and repeats them
     (the same plan, much faster for a deep model).
     """
@@ -193,7 +194,7 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
     modes = [mode_name(m) for m in checkpointing] if train else ["none"]
     rows = []
     for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
-        for sp in (s for s in sequence_parallel if not s or (tp > 1 and train)):
+        for sp in sorted({s and tp > 1 and train for s in sequence_parallel}):  # SP of 1: none
             if progress is not None:
                 progress(f"planning for tensor-parallel degree {tp}" + (", SP" if sp else ""))
             inputs = tuple(_repeat(x, tp) for x in example_inputs)
