@@ -11,15 +11,20 @@ Stated once here, printed by every ``advise`` run and documented in docs/visuali
 - **Communication**: ring algorithms over ``link`` bytes/s per direction per GPU x
   ``link_efficiency``: an all-reduce of B bytes over n ranks moves 2(n-1)/n·B per rank in
   2(n-1) steps, an all-gather or reduce-scatter (n-1)/n·B in n-1 steps; each step also costs
-  ``step_latency``. Nothing overlaps: compute, tensor-parallel collectives and the
-  data-parallel gradient all-reduce add up (an upper bound; DDP overlaps the last with the
-  backward).
+  ``step_latency``. Data parallelism: replicas all-reduce the gradients; FSDP2 all-gathers
+  each unit's parameters in forward and again in backward and reduce-scatters its gradients
+  (one ring per unit and collective). Nothing overlaps: compute, tensor-parallel collectives
+  and data-parallel traffic add up (an upper bound; DDP and FSDP overlap the last with
+  compute). Full activation checkpointing adds the checkpointed blocks' forward matmuls once
+  more; selective recomputes no matmul.
 - **Memory** per rank: parameters and buffers as the plan shards them; gradients in the
   parameters' dtype; Adam's two fp32 moments (+ an fp32 master copy of 16-bit parameters);
-  activations = every value the forward computes, at its per-rank size (no activation
-  checkpointing; views are free), or for inference the KV cache (the key and value operands of
-  every attention at the example's batch and sequence). ``usable_memory`` of the device is
-  available (the rest: CUDA context, workspaces, fragmentation).
+  under FSDP2 a 1/dp shard of each (dim 0 rounded up) plus the largest unit (a block, or the
+  root) all-gathered and its unsharded gradients; activations = what rank 0's rewritten graph
+  leaves alive for backward with the checkpointing mode, run on meta tensors
+  (:mod:`tpcompile.inspect.retained`), or for inference the KV cache (the key and value
+  operands of every attention at the example's batch and sequence). ``usable_memory`` of the
+  device is available (the rest: CUDA context, workspaces, fragmentation).
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ class CostModel:
         d = self.device
         mode = ("inference: forward only; memory = parameters + buffers + KV cache" if self.inference
                 else "training step: forward + backward (2x forward FLOPs); Adam (two fp32 moments, "
-                     "fp32 master copy of 16-bit parameters); no activation checkpointing")
+                     "fp32 master copy of 16-bit parameters), sharded 1/dp under FSDP2 plus its "
+                     "largest unit gathered with its gradients; activations: what rank 0's graph "
+                     "leaves alive for backward, run on meta tensors with the checkpointing mode")
         return [
             f"device: {d.name}: {d.bf16_flops / 1e12:g} TFLOP/s bf16/fp16, {d.fp32_flops / 1e12:g} "
             f"TFLOP/s fp32, link {d.link_gbps:g} Gbit/s ({d.link_gbps / 8:g} GB/s) per direction, "
@@ -92,12 +99,14 @@ class CostModel:
             f"compute: matmul FLOPs per rank under the plan / (peak x {self.compute_efficiency:g})",
             f"communication: ring all-reduce 2(n-1)/n x bytes, all-gather / reduce-scatter "
             f"(n-1)/n x bytes, over link x {self.link_efficiency:g}, + {self.step_latency * 1e6:g} us "
-            "per ring step; data-parallel gradient all-reduce over the GPUs/TP replicas",
-            "step time = compute + tensor-parallel collectives + data-parallel all-reduce "
-            "(no overlap: an upper bound)",
+            "per ring step; data parallelism over GPUs/TP ranks: replicas all-reduce gradients, "
+            "FSDP2 all-gathers each unit's parameters twice (forward, backward) and "
+            "reduce-scatters its gradients",
+            "step time = compute + tensor-parallel collectives + data-parallel traffic "
+            "(no overlap: an upper bound); full checkpointing recomputes its blocks' matmuls",
             f"memory fits when the total is within {self.usable_memory:.0%} of the device's",
-            "batch: the global batch is GPUs x the example batch; each of the GPUs/TP replicas "
-            "runs TP x the example batch (the inputs' dim 0)",
+            "batch: the global batch is GPUs x the example batch; each of the GPUs/TP "
+            "data-parallel ranks runs TP x the example batch (the inputs' dim 0)",
             mode,
         ]
 
