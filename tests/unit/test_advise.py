@@ -197,3 +197,13 @@ def test_cli_refuses_a_device_without_numbers(capsys):
 def test_presets_state_their_source():
     for device in DEVICES.values():
         assert "datasheet" in device.source and device.bf16_flops > device.fp32_flops
+
+
+def test_bad_choices_and_real_weights_are_refused(llama):
+    model, inputs = llama
+    with pytest.raises(ValueError, match="checkpointing takes one or more of"):
+        advise(model, inputs, 2, CostModel(CUSTOM), checkpointing=["some"])
+    with pytest.raises(ValueError, match="fsdp takes one or more of"):
+        advise(model, inputs, 2, CostModel(CUSTOM), fsdp=())
+    with pytest.raises(ValueError, match='build it under torch.device\\("meta"\\)'):
+        advise(models.build("llama", n_layers=1, dim=32, hidden=64), inputs, 2, CostModel(CUSTOM))

@@ -124,8 +124,7 @@ def _dp_traffic(m: Measured, dp: int, fsdp: bool, train: bool) -> tuple:
     if not fsdp:
         sent, steps = ring("all_reduce", w.params, dp)
         return w.params, w.params, optimizer, 0, sent, steps
-    shard, elements = fsdp_shard_bytes(w, dp)
-    half = elements if w.half else 0
+    shard, elements, half = fsdp_shard_bytes(w, dp)
     gather, gather_steps = ring("all_gather", w.params, dp)
     scatter, scatter_steps = ring("reduce_scatter", w.params, dp)
     return (shard, shard, 8 * elements + 4 * half, 2 * w.largest_unit, 2 * gather + scatter,
@@ -135,8 +134,8 @@ def _dp_traffic(m: Measured, dp: int, fsdp: bool, train: bool) -> tuple:
 def _rows(m: Measured, gpus: int, train: bool, fsdp_options, modes) -> list[Estimate]:
     """Every configuration of one traced degree."""
     dp, out = gpus // m.tp, []
-    tp_rings = [ring(c.op, c.bytes or 0, m.tp) for c in m.collectives
-                if train or c.phase == "forward"]
+    collectives = [c for c in m.collectives if train or c.phase == "forward"]
+    tp_rings = [ring(c.op, c.bytes or 0, m.tp) for c in collectives]
     for fsdp in sorted({f and dp > 1 and train for f in fsdp_options}):  # FSDP over 1: none
         params, grads, opt, unit, sent, steps = _dp_traffic(m, dp, fsdp, train)
         for mode in modes:
@@ -146,8 +145,7 @@ def _rows(m: Measured, gpus: int, train: bool, fsdp_options, modes) -> list[Esti
             flops = m.flops * (3 if train else 1) + m.recompute_flops[mode]
             out.append(Estimate(
                 m.tp, dp, fsdp, mode, m.sp, params, m.weights.buffers, grads, opt, act, unit,
-                m.kv_cache, memory, len(tp_rings), sum(c.bytes or 0 for c in m.collectives
-                                                       if train or c.phase == "forward"),
+                m.kv_cache, memory, len(collectives), sum(c.bytes or 0 for c in collectives),
                 sum(s for s, _ in tp_rings), sum(n for _, n in tp_rings), sent, steps, flops))
     return out
 
@@ -171,6 +169,15 @@ def _decide(model: str, gpus: int, dtype: torch.dtype, inputs: list, cost: CostM
     return Advice(model, gpus, str(dtype).removeprefix("torch."), inputs, cost, rows, best)
 
 
+def _choices(value, allowed: tuple, name: str) -> tuple:
+    """``value`` (one choice or several) as a non-empty tuple of ``allowed`` values."""
+    chosen = tuple(value) if isinstance(value, (list, tuple, set)) else (value,)
+    bad = [v for v in chosen if v not in allowed]
+    if bad or not chosen:
+        raise ValueError(f"{name} takes one or more of {allowed}, got {value!r}")
+    return chosen
+
+
 def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
            progress: Callable[[str], None] | None = None,
            checkpointing=MODES, fsdp=(False, True), sequence_parallel=(False, True),
@@ -191,7 +198,9 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
                          'torch.device("meta") (the CLI does)')
     train = not cost.inference
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    modes = [mode_name(m) for m in checkpointing] if train else ["none"]
+    checkpointing = _choices(checkpointing, MODES, "checkpointing") if train else (None,)
+    fsdp = _choices(fsdp, (False, True), "fsdp")
+    sequence_parallel = _choices(sequence_parallel, (False, True), "sequence_parallel")
     rows = []
     for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
         for sp in sorted({s and tp > 1 and train for s in sequence_parallel}):  # SP of 1: none
@@ -200,7 +209,7 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
             inputs = tuple(_repeat(x, tp) for x in example_inputs)
             trace = trace_rewrite(model, inputs, tp, 0, dynamic=False, reuse_blocks=reuse_blocks,
                                   options=PlanOptions(sequence_parallel=sp, **options))
-            rows += _rows(measure_trace(trace, inputs, train), gpus, train,
-                          fsdp if train else (False,), modes)
+            rows += _rows(measure_trace(trace, inputs, checkpointing, train), gpus, train,
+                          fsdp, [mode_name(m) for m in checkpointing])
     shapes = [list(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)]
     return _decide(type(model).__name__, gpus, dtype, shapes, cost, rows)

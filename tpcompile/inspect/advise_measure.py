@@ -24,7 +24,7 @@ from tpcompile.inspect.retained import graph_retained_bytes
 from tpcompile.inspect.trace import RewriteTrace
 from tpcompile.inspect.traffic import list_collectives
 from tpcompile.passes.planner.rules import is_attention, viewed_from
-from tpcompile.passes.rewrite.checkpoint_regions import MODES, outlinable_regions
+from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 
 __all__ = ["Weights", "Measured", "measure_trace", "fsdp_shard_bytes", "mode_name"]
 
@@ -120,14 +120,14 @@ def _weights(trace: RewriteTrace) -> Weights:
                    len(row["units"]))
 
 
-def fsdp_shard_bytes(weights: Weights, dp: int) -> tuple[int, int]:
-    """(trainable bytes, trainable elements) of one FSDP2 shard over ``dp`` ranks: each
-    tensor cut on dim 0 into ``ceil(dim0 / dp)`` rows (FSDP2 pads the last shard)."""
-    nbytes = elements = 0
+def fsdp_shard_bytes(weights: Weights, dp: int) -> tuple[int, int, int]:
+    """(trainable bytes, elements, 16-bit elements) of one FSDP2 shard over ``dp`` ranks:
+    each tensor cut on dim 0 into ``ceil(dim0 / dp)`` rows (FSDP2 pads the last shard)."""
+    nbytes = elements = half = 0
     for shape, size in weights.shapes:
         n = math.prod(shape[1:]) * -(-shape[0] // dp) if shape else 1
-        nbytes, elements = nbytes + n * size, elements + n
-    return nbytes, elements
+        nbytes, elements, half = nbytes + n * size, elements + n, half + (n if size < 4 else 0)
+    return nbytes, elements, half
 
 
 def _cached(read: float, operand: fx.Node, trace: RewriteTrace) -> float:
@@ -165,10 +165,10 @@ def _recomputed(trace: RewriteTrace, flops: dict, mode: str | None) -> float:
                if n.name in flops and block_of(n, paths) in kept)
 
 
-def measure_trace(trace: RewriteTrace, inputs: tuple, train: bool) -> Measured:
-    """Everything ``advise`` reads of one degree's ``trace`` (planned at ``inputs``)."""
+def measure_trace(trace: RewriteTrace, inputs: tuple, modes, train: bool) -> Measured:
+    """Everything ``advise`` reads of one degree's ``trace`` (planned at ``inputs``), with the
+    activations of each checkpointing mode of ``modes`` (``parallelize``'s values)."""
     flops, kv = _flops_and_kv(trace)
-    modes = MODES if train else (None,)
     activations = {mode_name(m): graph_retained_bytes(trace.gm, inputs, m) if train else 0
                    for m in modes}
     recompute = {mode_name(m): _recomputed(trace, flops, m) for m in modes}
