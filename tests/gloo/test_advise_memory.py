@@ -2,7 +2,9 @@
 ranks (bodies in ``advise_workers.py``): parameters, gradients, AdamW state and the
 activations the forward leaves for backward, at 2 and 4 ranks with each checkpointing mode,
 and parameters, gradients and optimizer state of TP 2 x FSDP2 2 on 4 ranks. Each estimate is
-within 15% of the largest rank's measured bytes.
+within 15% of the largest rank's measured bytes. CI runs the 2-rank case (~35 s on 2 busy
+cores); the 4-rank ones are marked slow: ``python -m pytest -m slow
+tests/gloo/test_advise_memory.py``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,7 @@ def _check(measured: list[dict], estimate: dict, parts=PARTS) -> None:
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_with_each_checkpointing_mode(world_size):
-    """TP over all ranks; the 4-rank case is slow (python -m pytest -m slow
-    tests/gloo/test_advise_memory.py runs it)."""
+    """TP over all ranks; the 4-rank case is slow (as the FSDP2 one)."""
     modes = ["none", "selective", "full"]
     ranks = run_on_ranks(f"{BODIES}:memory", world_size, modes, timeout=300)
     configs = _estimates(world_size)
@@ -64,8 +65,10 @@ def test_tensor_parallel_with_each_checkpointing_mode(world_size):
     assert full.activation_bytes * 2 < none.activation_bytes  # checkpointing is visible
 
 
+@pytest.mark.slow
 def test_tp2_fsdp2_shards():
-    """TP 2 x FSDP2 2 on 4 ranks: parameters, gradients and AdamW state of each rank's shards."""
+    """TP 2 x FSDP2 2 on 4 ranks: parameters, gradients and AdamW state of each rank's shards
+    (slow: 4 ranks on CI's 2 cores; python -m pytest -m slow tests/gloo/test_advise_memory.py)."""
     ranks = run_on_ranks(f"{BODIES}:memory", 4, ["fsdp"], timeout=300)
     configs = _estimates(4)
     row = _pick(configs, tp=2, fsdp=True, checkpointing="none", sp=False)
