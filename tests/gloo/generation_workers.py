@@ -92,6 +92,8 @@ def _hf_case(name: str, sample: bool = True) -> dict:
     out["rank"] = dist.get_rank()
     graphs = [inner.graph_module] + [gm for _, gm in inner.signatures]
     out["collectives"] = [count_collectives(gm)["forward"] for gm in graphs]
+    # positions whose logits each graph computes (the LM head's rows)
+    out["logit_rows"] = [gm.graph.output_node().args[0][0].meta["val"].shape[1] for gm in graphs]
     out["shared"] = all(p is tp.get_parameter(n.removeprefix("model."))
                         for n, p in inner.named_parameters())
     return out

@@ -56,6 +56,7 @@ def _check(ws: int, per_rank: list, names: list, sampled: bool = True) -> None:
             k_and_v = 2 * LAYERS * BATCH * heads * CACHE_LEN * head_dim * 4  # float32
             assert c["cache_bytes"] == k_and_v, name
             assert len(c["collectives"]) == 2  # prefill and decode captures
+            assert c["logit_rows"] == [1, 1], name  # the prefill's last position only
             for graph in c["collectives"]:
                 assert graph == {"all_reduce": 2 * LAYERS}, (name, graph)
 
