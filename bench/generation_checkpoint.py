@@ -1,6 +1,7 @@
 """A checkpoint directory to tokens on gloo ranks: what a real-size model costs at each stage.
 
     nice python -m bench.generation --checkpoint [--world-size 2] [--dir /tmp/tpcompile-llama-1b]
+    nice python -m bench.generation --checkpoint --model mid --dir /tmp/tpcompile-llama-mid
 
 A random Llama-3.2-1B-shaped Hugging Face model (:data:`LLAMA_1B`: hidden 2048, 16 layers,
 32 query / 8 kv heads, intermediate 8192, vocabulary 128256, tied embeddings, Llama 3 RoPE
@@ -23,8 +24,10 @@ holds a run's ``reference.json``. Then each rank:
 - peak RSS (``ru_maxrss``) against the bytes of the shards it holds (parameters, buffers);
 - greedy tokens of two prompt lengths, compared with the unsharded model's.
 
-Times are the slowest rank's medians (ratios: the largest rank's median). ``run`` takes any
-Llama config: the CI test runs it on a tiny one (tests/gloo/test_from_pretrained.py).
+``--model mid`` runs the same on :data:`LLAMA_MID` (hidden 1024, 8 layers, 16 / 8 heads,
+vocabulary 32000). Times are the slowest rank's medians (ratios: the largest rank's median).
+``run`` takes any Llama config: the CI test runs it on a tiny one
+(tests/gloo/test_from_pretrained.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
                 rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                   high_freq_factor=4.0, original_max_position_embeddings=8192))
+# a mid-size Llama (0.18B parameters) for the same measurements in a few minutes: --model mid
+LLAMA_MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
+MODELS = {"1b": (LLAMA_1B, "Llama-3.2-1B-shaped"), "mid": (LLAMA_MID, "mid-size Llama")}
 FIRST, NEW_LENGTHS, NEW = 24, (40, 33, 17, 29, 45, 21), 16  # prompt lengths; all fit the 64 bucket
 ROUNDS = 5  # decode rounds; each ratio is the median of its rounds
 
@@ -234,10 +241,12 @@ def table(result: dict) -> str:
     return "| measure | value |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
 
 
-def main(world_size: int = 2, directory: str = "/tmp/tpcompile-llama-1b") -> None:
-    print(f"Llama-3.2-1B-shaped random checkpoint, {world_size} gloo ranks (CPU, 1 thread each), "
-          f"{directory}\n{LLAMA_1B}\n", flush=True)
-    result = run(directory, LLAMA_1B, world_size)
+def main(world_size: int = 2, directory: str = "/tmp/tpcompile-llama-1b",
+         model: str = "1b") -> None:
+    config, title = MODELS[model]
+    print(f"{title} random checkpoint, {world_size} gloo ranks (CPU, 1 thread each), "
+          f"{directory}\n{config}\n", flush=True)
+    result = run(directory, config, world_size)
     print(table(result))
     untokened = [{k: v for k, v in r.items() if k != "tokens"}
                  for r in [result["reference"]] + result["ranks"]]
@@ -250,5 +259,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/tpcompile-llama-1b")
+    parser.add_argument("--model", choices=sorted(MODELS), default="1b")
     a = parser.parse_args()
-    main(a.world_size, a.dir)
+    main(a.world_size, a.dir, a.model)
