@@ -1,11 +1,12 @@
 """Greedy decoding side by side at 2 gloo ranks: tpcompile vs DTensor vs the unsharded model.
 
     python -m bench.generation [--world-size 2] [--new 32] [--repeats 3] [--runs 5]
-    python -m bench.generation --checkpoint [--world-size 2] [--dir DIR]
+    python -m bench.generation --checkpoint [--world-size 2] [--dir DIR] [--model 1b|mid]
 
 ``--checkpoint`` runs bench/generation_checkpoint.py instead: a Llama-3.2-1B-shaped
 checkpoint saved to ``DIR``, then ``tpcompile.from_pretrained`` and ``generate`` on the ranks
-(load, first-token and per-token times, peak memory per rank).
+(load, first-token and per-token times, peak memory per rank); ``--model mid``: a mid-size
+Llama instead (hidden 1024, 8 layers).
 
 A random Hugging Face Llama (hidden 512, 4 layers, 8 query / 4 kv heads, vocabulary 4096),
 batch 1, a 16-token prompt. Rows:
@@ -177,11 +178,13 @@ def main() -> None:
     parser.add_argument("--checkpoint", action="store_true",
                         help="the Llama-3.2-1B-shaped checkpoint run (generation_checkpoint.py)")
     parser.add_argument("--dir", default="/tmp/tpcompile-llama-1b")
+    parser.add_argument("--model", choices=("1b", "mid"), default="1b",
+                        help="--checkpoint's model: Llama-3.2-1B-shaped or mid-size")
     a = parser.parse_args()
     if a.checkpoint:
         from bench import generation_checkpoint
 
-        generation_checkpoint.main(a.world_size, a.dir)
+        generation_checkpoint.main(a.world_size, a.dir, a.model)
         return
     print(f"greedy decoding, {a.world_size} gloo ranks (CPU), Llama {CONFIG}, batch 1, prompt 16, "
           f"{a.new} new tokens, best of {a.repeats}, {a.runs} run(s)")

@@ -51,19 +51,19 @@ def hf_inputs(model) -> tuple[torch.Tensor, dict]:
     return ids, {"attention_mask": mask}
 
 
-def hf_causal_lm(name: str, positions: int = 64):
-    """Tiny random-init causal LMs (hidden 64, 2 layers, vocab 256), never downloaded;
+def hf_causal_lm(name: str, positions: int = 64, layers: int = 2):
+    """Tiny random-init causal LMs (hidden 64, ``layers`` layers, vocab 256), never downloaded;
     ``positions``: a Llama-like model's position limit."""
     import transformers as tf
 
     torch.manual_seed(0)
-    llama_like = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2,
+    llama_like = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=positions)
     if name == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
-                                                n_positions=64, resid_pdrop=0, embd_pdrop=0,
-                                                attn_pdrop=0))
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=layers,
+                                                n_head=4, n_positions=64, resid_pdrop=0,
+                                                embd_pdrop=0, attn_pdrop=0))
     # 8 query heads over 2 kv heads (GQA) or 1 (MQA): fewer kv heads than 4 ranks
     heads = {"llama_8q2kv": (8, 2), "llama_mqa": (8, 1)}
     if name in heads:

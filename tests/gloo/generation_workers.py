@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,8 @@ def _hf_case(name: str, sample: bool = True) -> dict:
     out["rank"] = dist.get_rank()
     graphs = [inner.graph_module] + [gm for _, gm in inner.signatures]
     out["collectives"] = [count_collectives(gm)["forward"] for gm in graphs]
+    # positions whose logits each graph computes (the LM head's rows)
+    out["logit_rows"] = [gm.graph.output_node().args[0][0].meta["val"].shape[1] for gm in graphs]
     out["shared"] = all(p is tp.get_parameter(n.removeprefix("model."))
                         for n, p in inner.named_parameters())
     return out
@@ -157,6 +160,15 @@ def _stderr_of(fn) -> str:
         return f.read()
 
 
+def _quiet(fn) -> str:
+    """What ``fn()`` wrote to stderr, then the Python warnings it raised: every one, even one
+    shown before in this process (which the default filter would not print again)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = _stderr_of(fn)
+    return text + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+
+
 def decode_calls(rank: int, world_size: int) -> dict:
     """Per check mode: tokens, and how many of a 4-token ``generate``'s model calls go through
     a module (``TPModule.forward``: its checks) rather than straight to the decode graph; and
@@ -176,8 +188,9 @@ def decode_calls(rank: int, world_size: int) -> dict:
     for mode in ("new", "every"):
         tp = tps[mode] = tpcompile.parallelize(model, (ids,), check_calls=mode,
                                                example_kwargs={"attention_mask": mask})
-        # captures the prefill and the decode step: export's own notes stay quiet
-        out[f"{mode} stderr"] = _stderr_of(lambda: tp.generate(ids, **args))
+        # captures the prefill and the decode step, then a new prompt length: no export notes
+        out[f"{mode} stderr"] = _quiet(lambda: (tp.generate(ids, **args), tp.generate(
+            ids[:, 1:], **dict(args, attention_mask=mask[:, 1:]))))
         TPModule.forward, calls[:] = counted, []
         try:
             tokens = tp.generate(ids, **args).tolist()
@@ -242,3 +255,42 @@ def hf_compiled_generate(rank: int, world_size: int) -> dict:
     inner = next(iter(tp._generation.values()))
     return {"eager": eager, "compiled": compiled, "want": model.generate(ids, **args).tolist(),
             "used": "compiled_decode" in inner.__dict__}
+
+
+def _calls_outside_graphs(fn) -> int:
+    """Python function calls ``fn()`` makes, not counting those inside a captured graph's
+    forward (the model's own work: its generated code, one line per node)."""
+    count, inside = [0], []
+
+    def profile(frame, event, arg):
+        if event == "call" and not inside:
+            if frame.f_code.co_filename.startswith("<eval_with_key>"):
+                inside.append(frame)
+            else:
+                count[0] += 1
+        elif event == "return" and inside and frame is inside[0]:
+            inside.pop()
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def python_calls(rank: int, world_size: int) -> dict:
+    """Per layer count (2 and 4): the Python calls of a warm greedy ``generate`` of 2 and of 6
+    new tokens outside the model's graphs, and the lengths it returned."""
+    out = {}
+    for layers in (2, 4):
+        model = hf_causal_lm("llama", layers=layers).eval()
+        ids, mask = hf_prompt()
+        tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+        for new in (2, 6):
+            args = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            tp.generate(ids, **args)  # captures; the ranks agree on its calls
+            lengths = []
+            calls = _calls_outside_graphs(lambda: lengths.append(tp.generate(ids, **args).shape[1]))
+            out[(layers, new)] = {"calls": calls, "length": lengths[0] - ids.shape[1]}
+    return out

@@ -76,5 +76,8 @@ def test_benchmark_path_on_a_tiny_checkpoint(tmp_path):
         assert r["new_length_captures"] == 0
         assert all(r[k] > 0 for k in ("parallelize_s", "load_s", "ttft_first_s",
                                       "ttft_repeated_s", "ttft_new_length_s", "step_module_s",
-                                      "step_graph_s", "shard_bytes", "peak_rss"))
+                                      "step_graph_s", "shard_bytes", "peak_rss", "ttft_ratio",
+                                      "decode_ratio"))
+        assert len(r["ttft_ratios"]) == len(module.NEW_LENGTHS)
+        assert len(r["decode_ratios"]) == module.ROUNDS
     assert "| greedy tokens = unsharded" in module.table(result)

@@ -28,7 +28,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from tpcompile.runtime.signatures import bind_tensors, written_buffers
+from tpcompile.runtime.signatures import bind_tensors
 from tpcompile.runtime.static_cache import StaticCacheLM
 
 __all__ = ["MAX_MODULES", "cache_length", "cached_module"]
@@ -56,6 +56,8 @@ def cached_module(tp, batch: int, max_len: int):
     cache of ``max_len`` positions, captured on first use; its KV cache allocated."""
     store = tp.__dict__.setdefault("_generation", OrderedDict())
     key = (batch, max_len)
+    if store and next(reversed(store)) == key:
+        return store[key]  # the module in use: its cache held, every other one released
     if key in store:
         store.move_to_end(key)
     else:
@@ -106,9 +108,7 @@ def _allocate_cache(inner, device: torch.device) -> None:
 def _replace_cache(inner, make) -> None:
     """Apply ``make`` to each buffer the graphs write (the cache) and re-bind every graph."""
     replaced = False
-    for name in written_buffers(inner.graph_module):
-        owner, _, leaf = name.rpartition(".")
-        buffers = (inner.get_submodule(owner) if owner else inner)._buffers
+    for buffers, leaf in inner.cache_slots():
         new = make(buffers[leaf])
         replaced |= new is not buffers[leaf]
         buffers[leaf] = new

@@ -30,11 +30,13 @@ class _Steps:
 
     The first decode step goes through the module: its input checks, the capture of the
     one-token signature, the ranks' agreement on the call. In the default check mode
-    (``"new"``) later steps call that step's graph directly: they have its shapes and dtypes,
-    and every rank builds them identically (the tokens are broadcast from one rank; the mask
-    and positions follow from the prefill's, which the module checked), so a check would only
-    repeat the first step's verdict, while its Python (flattening, signature matching, the
-    call's description) costs as much as a small model's step. The pad token a finished row
+    (``"new"``) later steps call that step's graph's ``forward`` directly: they have its
+    shapes and dtypes, and every rank builds them identically (the tokens are broadcast from
+    one rank; the mask and positions follow from the prefill's, which the module checked), so
+    a check would only repeat the first step's verdict, while its Python (flattening,
+    signature matching, the call's description; and torch.export's own input check, a
+    forward pre-hook of the graph that flattens the inputs again with their paths) costs as
+    much as a small model's step. The pad token a finished row
     feeds is checked once, against the embedding table. ``check_calls="every"`` checks every
     step, as asked.
     """
@@ -57,8 +59,8 @@ class _Steps:
         args = (tokens[:, None], self.full, self.positions,
                 torch.tensor([self.pos], device=tokens.device))
         self.pos += 1
-        if self.graph is not None:
-            return self.graph(*args)
+        if self.graph is not None:  # its forward: no export input check (see the class doc)
+            return self.graph.forward(*args)
         logits = _decode_step(self.tp, self.module)(*args)
         if self.tp.generation_compile is None and self.module.call_check.mode == "new":
             spec, self.graph = self.module._graph_for(args, {})

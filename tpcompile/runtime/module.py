@@ -118,9 +118,25 @@ class TPModule(nn.Module):
 
     def reset_caches(self) -> None:
         """Zero every buffer the graphs write in place (a static KV cache), on this rank."""
-        held = dict(self.named_buffers())
-        for name in written_buffers(self.graph_module):
-            held[name].zero_()
+        for buffers, leaf in self.cache_slots():
+            buffers[leaf].zero_()
+
+    def cache_slots(self) -> list[tuple[dict, str]]:
+        """Where each buffer the graphs write in place (a static KV cache) is held: its owner's
+        buffer dict and its name there, in graph order.
+
+        The names are found once, by a walk of the first graph's nodes (every graph writes the
+        same cache), and kept: ``generate`` resets the cache on every call, and a walk per call
+        would cost Python per node, growing with the layer count. The dicts are looked up on
+        each call, so a buffer replaced since (``to()``, a released cache) is the one found."""
+        names = self.__dict__.get("_cache_buffers")
+        if names is None:
+            names = self.__dict__["_cache_buffers"] = written_buffers(self.graph_module)
+        slots = []
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            slots.append(((self.get_submodule(owner) if owner else self)._buffers, leaf))
+        return slots
 
     def _apply(self, fn, recurse=True):
         """``to`` / ``to_empty`` / ``float`` may replace tensors: the first graph shares this

@@ -19,11 +19,18 @@ __all__ = ["StaticCacheLM", "sdpa_gqa"]
 
 class StaticCacheLM(nn.Module):
     """``forward(input_ids, attention_mask (B, max_len), position_ids, cache_position) -> logits``
-    of a causal LM whose ``StaticCache`` tensors are this module's buffers."""
+    of a causal LM whose ``StaticCache`` tensors are this module's buffers.
+
+    The logits are the last position's, ``(B, 1, vocab)``, when the model takes
+    ``logits_to_keep`` (as ``GenerationMixin.generate`` asks of it): the next token reads only
+    those, and a prefill's LM head over every prompt position would cost, on a
+    Llama-3.2-1B-shaped model, a third of its work. Otherwise every position's."""
 
     def __init__(self, model: nn.Module, batch: int, max_len: int, gqa_in_sdpa: bool = False):
         super().__init__()
         self.gqa_in_sdpa = gqa_in_sdpa
+        supports = getattr(model, "_supports_logits_to_keep", None)
+        self.last_logits = {"logits_to_keep": 1} if callable(supports) and supports() else {}
         from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
         from transformers.integrations.executorch import get_head_shapes
 
@@ -52,7 +59,8 @@ class StaticCacheLM(nn.Module):
             layer.cumulative_length.copy_(cache_position[0])
         with sdpa_gqa(self.gqa_in_sdpa):
             return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, cache=self.cache, use_cache=True).logits
+                              position_ids=position_ids, cache=self.cache, use_cache=True,
+                              **self.last_logits).logits
 
 
 @contextmanager
