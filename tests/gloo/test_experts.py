@@ -7,8 +7,9 @@ every stacked weight is cut on its expert dim (uneven counts included: the first
 one more), each rank holds no more than its ``ceil(E / N)`` whole experts, each MoE block
 costs one forward all-reduce, ``explain`` names the placement of each block, and on gloo
 ranks the output and every gradient equal the unsharded model's at two batch / length pairs.
-``experts="auto"`` picks by the largest rank's share of the expert weights; grouped matmuls,
-fewer experts than ranks, unknown modes and sequence parallelism get their stated answers.
+``experts="auto"`` picks by the largest rank's share of the expert weights; fewer experts than
+ranks, unknown modes and sequence parallelism get their stated answers. transformers' grouped
+matmul experts: tests/gloo/test_grouped_experts.py.
 """
 
 from __future__ import annotations
@@ -92,24 +93,6 @@ def test_more_ranks_than_experts_falls_back_to_tensor_with_the_reason():
     report = _report("stacked_3", 4)
     assert report.experts["layers.0.mlp"] == "tensor parallel: 3 experts: fewer than the 4 ranks"
     assert report.params["layers.0.mlp.w1"].style == "colwise"
-
-
-def test_grouped_matmul_experts_stay_tensor_parallel_and_say_why():
-    """transformers' Mixtral runs its stacked experts through a grouped matmul, which picks
-    each row's expert by offsets: those experts are split column -> row as before."""
-    from zoo.hf_models import hf_inputs, hf_model
-
-    model = hf_model("mixtral")
-    args, kwargs = hf_inputs(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = tpcompile.explain(model, args, 2, example_kwargs=kwargs, experts="expert")
-    for layer in range(2):
-        how = report.experts[f"model.layers.{layer}.mlp.experts"]
-        assert how.startswith("tensor parallel: ") and "grouped matmul" in how, how
-        prefix = f"model.layers.{layer}.mlp.experts."
-        assert report.params[prefix + "gate_up_proj"].style == "colwise"
-        assert report.params[prefix + "down_proj"].style == "rowwise"
 
 
 @pytest.mark.parametrize("name,world_size,mode", [
