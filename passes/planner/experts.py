@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 
-from tpcompile.passes.planner.dims import shape
+from tpcompile.passes.planner.dims import hinted_shape, shape, val
+from tpcompile.passes.planner.expert_cost import device_for, expert_costs
 
 __all__ = ["choose_column", "expert_label", "grouped_mode", "place_experts", "expert_placements"]
 
@@ -71,13 +72,24 @@ def grouped_mode(op, w) -> tuple[str, str]:
     to it: the column -> row chain planned as for ``"tensor"`` is moved onto the expert dim
     after planning, :mod:`tpcompile.passes.planner.grouped_experts`) or ``"tensor"``."""
     mode, ranks = op.options.experts, op.specs.world_size
-    count, width = int(shape(w)[0]), int(shape(w)[2])
+    count = int(shape(w)[0])
     why = f'experts="{mode}"'
-    if mode == "auto":
-        mode, why = _auto(count, width, ranks)
-    elif mode == "expert" and count < ranks:
+    if mode != "tensor" and count < ranks:
         mode, why = "tensor", f"{count} experts: fewer than the {ranks} ranks"
+    elif mode == "auto":
+        mode, why = _auto_grouped(op.node.args[0], w, ranks)
     return ("rows" if mode == "expert" else "tensor"), why
+
+
+def _auto_grouped(x, w, ranks: int) -> tuple[str, str]:
+    """``experts="auto"`` on a grouped matmul: the cheaper cut by
+    :func:`~tpcompile.passes.planner.expert_cost.expert_costs`, for the example's routed rows
+    (``x``'s) on the weight's device type; ``w``'s output is read as gate and up, ``2W``."""
+    experts, model_width, out = hinted_shape(w)
+    costs = expert_costs(experts, out // 2, model_width, hinted_shape(x)[0], ranks,
+                         device_for(val(w).device.type))
+    pick = min(costs, key=lambda m: costs[m].seconds)
+    return pick, f"auto: cost model ({costs['tensor']}; {costs['expert']})"
 
 
 def _auto(experts: int, width: int | None, ranks: int) -> tuple[str, str]:

@@ -113,3 +113,30 @@ def test_outputs_gradients_and_steps_equal_the_unsharded_model(world_size, cases
         out_err, grad_err, step_err = (max(r[case][i] for r in per_rank) for i in range(3))
         assert out_err <= TOLERANCE and grad_err <= TOLERANCE, (case, out_err, grad_err)
         assert step_err <= STEP_TOLERANCE, (case, step_err)
+
+
+@pytest.mark.parametrize("name,world_size", [("qwen3_moe_64", 4),
+                                             pytest.param("mixtral", 2, marks=pytest.mark.slow)])
+def test_auto_picks_the_cheaper_cut_of_the_cost_model(name, world_size):
+    """``experts="auto"`` on grouped matmuls: the cut :func:`expert_costs` prices lower for
+    the example's routed rows (tokens x top-k) on the CPU, and the line gives both prices."""
+    from tpcompile.passes.planner.expert_cost import DEVICES, expert_costs
+
+    report = _report(name, world_size, "auto")
+    for layer in range(2):
+        module = f"model.layers.{layer}.mlp.experts"
+        experts, width2, model_width = report.params[f"{module}.gate_up_proj"].global_shape
+        rows = 2 * 16 * _top_k(name)  # hf_inputs: 2 x 16 tokens
+        costs = expert_costs(experts, width2 // 2, model_width, rows, world_size, DEVICES["cpu"])
+        pick = min(costs, key=lambda m: costs[m].seconds)
+        how = report.experts[module]
+        assert how.startswith(f"{pick} parallel") and "auto: cost model" in how, how
+        assert report.params[f"{module}.gate_up_proj"].style == (
+            "expert" if pick == "expert" else "colwise")
+
+
+def _top_k(name: str) -> int:
+    from zoo.hf_models import MOE
+
+    config = MOE[name][2]
+    return config["num_experts_per_tok"]
