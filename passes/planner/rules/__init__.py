@@ -33,8 +33,7 @@ the package imports it:
 
 from tpcompile.passes.planner.rules.table import (
     RULES, TAGGED, Rule, flops_of, is_grouped_matmul, is_lookup, is_param_matmul, is_attention,
-    is_view, register,
-    rule_for, rule_for_target, shard_map, viewed_from, weight_out_first,
+    is_view, register, rule_for, rule_for_target, shard_map, viewed_from, weight_out_first,
 )
 from tpcompile.passes.planner.rules import (  # each registers its rules into the table
     einsum, pointwise, writes, matmuls, indexing, attention, reductions, views, vocabulary,
