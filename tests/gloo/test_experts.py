@@ -8,8 +8,9 @@ one more), each rank holds no more than its ``ceil(E / N)`` whole experts, each 
 costs one forward all-reduce, ``explain`` names the placement of each block, and on gloo
 ranks the output and every gradient equal the unsharded model's at two batch / length pairs.
 ``experts="auto"`` picks by the largest rank's share of the expert weights; fewer experts than
-ranks, unknown modes and sequence parallelism get their stated answers. transformers' grouped
-matmul experts: tests/gloo/test_grouped_experts.py.
+ranks, unknown modes and sequence parallelism get their stated answers; looped experts
+(``ModuleListMoE``) get the same plan under either mode. transformers' grouped-matmul experts:
+tests/gloo/test_grouped_experts.py.
 """
 
 from __future__ import annotations
