@@ -11,7 +11,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hf_model", "hf_inputs", "hf_causal_lm", "hf_prompt"]
+__all__ = ["MOE", "hf_model", "moe_model", "hf_inputs", "hf_causal_lm", "hf_prompt"]
+
+# the MoE causal LMs: name -> (config class, model class, config arguments); every one runs its
+# experts through transformers' grouped matmul. Uneven: 5 experts over 2 or 4 ranks; fine-grained:
+# 64 experts 16 wide, top-8 (DeepSeek / Qwen3-MoE's shape, scaled down)
+_LM = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+           num_key_value_heads=2, max_position_embeddings=64)
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=48, num_experts=5,
+                       num_experts_per_tok=2, decoder_sparse_step=1, head_dim=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2, eos_token_id=0)),
+    "qwen3_moe_64": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                     dict(intermediate_size=128, moe_intermediate_size=16, num_experts=64,
+                          num_experts_per_tok=8, decoder_sparse_step=1, head_dim=8)),
+}
 
 
 def hf_model(name: str):
@@ -27,11 +45,8 @@ def hf_model(name: str):
                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
                              **small)  # use_cache stays True: tpcompile captures without it
         return tf.LlamaForCausalLM(cfg)
-    if name == "mixtral":  # experts stacked in 3-D parameters, run by a grouped matmul
-        cfg = tf.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                               num_local_experts=4, num_experts_per_tok=2, **small)
-        return tf.MixtralForCausalLM(cfg)
+    if name in MOE:  # experts stacked in 3-D parameters, run by a grouped matmul
+        return moe_model(name)
     if name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
                             resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0,
@@ -41,6 +56,15 @@ def hf_model(name: str):
                         intermediate_size=128, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
                         **small)
     return tf.BertModel(cfg) if name == "bert_model" else tf.BertForMaskedLM(cfg)
+
+
+def moe_model(name: str, **overrides):
+    """A tiny random-init MoE causal LM of :data:`MOE` (``overrides``: config arguments)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config, model, kwargs = MOE[name]
+    return getattr(tf, model)(getattr(tf, config)(**{**_LM, **kwargs, **overrides}))
 
 
 def hf_inputs(model) -> tuple[torch.Tensor, dict]:

@@ -8,8 +8,9 @@ root starts on that batch dim instead: each rank holds whole experts (``RootSpec
 blocks when the count does not divide), the replicated tokens are sliced to the rank's experts
 locally, every op after keeps the expert shard, and the sum over experts is a partial sum,
 all-reduced once where a consumer needs it whole: the collectives of expert-TP, with whole
-experts. Grouped matmuls (``_grouped_mm``: rows picked per expert by offsets) keep their
-experts whole on every rank, and the plan says so.
+experts. Grouped matmuls (``_grouped_mm``: rows picked per expert by offsets, transformers'
+MoEs) are planned column -> row and then moved onto their experts when asked
+(:func:`grouped_mode`, :mod:`tpcompile.passes.planner.grouped_experts`).
 
 What was chosen for each weight, and why, is recorded during propagation
 (:func:`choose_column`, :func:`place_experts`) and frozen per MoE module into
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import math
 
-from tpcompile.passes.planner.dims import shape
+from tpcompile.passes.planner.dims import hinted_shape, shape, val
+from tpcompile.passes.planner.expert_cost import device_for, expert_costs
 
-__all__ = ["choose_column", "expert_label", "place_experts", "expert_placements"]
+__all__ = ["choose_column", "expert_label", "grouped_mode", "place_experts", "expert_placements"]
 
 
 def expert_label(labels, others, out_labels):
@@ -62,6 +64,32 @@ def choose_column(op, w, labels, others, out_labels, column):
                                    f"rank's experts of {op.param_behind(w).target})"
                   + (f"; {why}" if why != 'experts="expert"' else ""))
     return expert
+
+
+def grouped_mode(op, w) -> tuple[str, str]:
+    """How the experts of a grouped matmul's weight ``w`` (experts, in, out) are asked to be
+    cut, and why: ``"rows"`` (whole experts per rank, each multiplying only the rows routed
+    to it: the column -> row chain planned as for ``"tensor"`` is moved onto the expert dim
+    after planning, :mod:`tpcompile.passes.planner.grouped_experts`) or ``"tensor"``."""
+    mode, ranks = op.options.experts, op.specs.world_size
+    count = int(shape(w)[0])
+    why = f'experts="{mode}"'
+    if mode != "tensor" and count < ranks:
+        mode, why = "tensor", f"{count} experts: fewer than the {ranks} ranks"
+    elif mode == "auto":
+        mode, why = _auto_grouped(op.node.args[0], w, ranks)
+    return ("rows" if mode == "expert" else "tensor"), why
+
+
+def _auto_grouped(x, w, ranks: int) -> tuple[str, str]:
+    """``experts="auto"`` on a grouped matmul: the cheaper cut by
+    :func:`~tpcompile.passes.planner.expert_cost.expert_costs`, for the example's routed rows
+    (``x``'s) on the weight's device type; ``w``'s output is read as gate and up, ``2W``."""
+    experts, model_width, out = hinted_shape(w)
+    costs = expert_costs(experts, out // 2, model_width, hinted_shape(x)[0], ranks,
+                         device_for(val(w).device.type))
+    pick = min(costs, key=lambda m: costs[m].seconds)
+    return pick, f"auto: cost model ({costs['tensor']}; {costs['expert']})"
 
 
 def _auto(experts: int, width: int | None, ranks: int) -> tuple[str, str]:

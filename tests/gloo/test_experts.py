@@ -7,8 +7,10 @@ every stacked weight is cut on its expert dim (uneven counts included: the first
 one more), each rank holds no more than its ``ceil(E / N)`` whole experts, each MoE block
 costs one forward all-reduce, ``explain`` names the placement of each block, and on gloo
 ranks the output and every gradient equal the unsharded model's at two batch / length pairs.
-``experts="auto"`` picks by the largest rank's share of the expert weights; grouped matmuls,
-fewer experts than ranks, unknown modes and sequence parallelism get their stated answers.
+``experts="auto"`` picks by the largest rank's share of the expert weights; fewer experts than
+ranks, unknown modes and sequence parallelism get their stated answers; looped experts
+(``ModuleListMoE``) get the same plan under either mode. transformers' grouped-matmul experts:
+tests/gloo/test_grouped_experts.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 import tpcompile
 from tpcompile.tools.launch import run_on_ranks
 from zoo.idioms import LM, ScaledTokensMoE, StackedMoE, example_inputs
-from zoo.idioms.mlps import EinsumMoE
+from zoo.idioms.mlps import EinsumMoE, ModuleListMoE
 
 STACKED = ("w1", "w2", "w3")
 CASES = {  # name -> (model factory, MoE class's stacked weights, expert count)
@@ -94,24 +96,6 @@ def test_more_ranks_than_experts_falls_back_to_tensor_with_the_reason():
     assert report.params["layers.0.mlp.w1"].style == "colwise"
 
 
-def test_grouped_matmul_experts_stay_tensor_parallel_and_say_why():
-    """transformers' Mixtral runs its stacked experts through a grouped matmul, which picks
-    each row's expert by offsets: those experts are split column -> row as before."""
-    from zoo.hf_models import hf_inputs, hf_model
-
-    model = hf_model("mixtral")
-    args, kwargs = hf_inputs(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = tpcompile.explain(model, args, 2, example_kwargs=kwargs, experts="expert")
-    for layer in range(2):
-        how = report.experts[f"model.layers.{layer}.mlp.experts"]
-        assert how.startswith("tensor parallel: ") and "grouped matmul" in how, how
-        prefix = f"model.layers.{layer}.mlp.experts."
-        assert report.params[prefix + "gate_up_proj"].style == "colwise"
-        assert report.params[prefix + "down_proj"].style == "rowwise"
-
-
 @pytest.mark.parametrize("name,world_size,mode", [
     ("stacked_4", 2, "expert"), ("stacked_4", 4, "expert"),  # 1/2 vs 1/2, 1/4 vs 1/4: a tie
     ("stacked_6", 4, "tensor"),   # 2 of 6 experts (1/3) vs 16 of 64 features (1/4)
@@ -160,3 +144,23 @@ def test_outputs_and_every_gradient_equal_the_unsharded_model(world_size):
         out_err = max(r[name][0] for r in per_rank)
         grad_err = max(r[name][1] for r in per_rank)
         assert out_err <= TOLERANCE and grad_err <= TOLERANCE, (name, out_err, grad_err)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_looped_experts_are_planned_alike_under_either_mode(world_size):
+    """Experts that are separate Linears looped over (``ModuleListMoE``, Mixtral's loop) are
+    no stacked weights: ``experts="expert"`` plans them as ``"tensor"`` does, the plan whose
+    outputs and gradients tests/gloo/test_idioms.py checks at 2 and 4 ranks."""
+    import torch
+
+    plans = {}
+    for mode in ("tensor", "expert"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, plans[mode] = tpcompile.plan_model(LM(mlp=ModuleListMoE), example_inputs(),
+                                                  world_size, experts=mode)
+    tensor, expert = plans["tensor"], plans["expert"]
+    assert expert.params == tensor.params and expert.conversions == tensor.conversions
+    assert expert.experts == tensor.experts == {}
+    assert tensor.params["layers.0.mlp.experts.0.w1.weight"].style == "colwise"

@@ -32,6 +32,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "swiglu_interleaved_gate_up": (2, 4),  # gpt-oss: h[..., ::2], h[..., 1::2] on one gate_up
     "linear_subclass_matmul": (2, 4),  # x @ self.weight.T in a Linear subclass
     "moe_stacked_bmm": (2, 4),         # stacked (experts, out, in) weights through bmm
+    "moe_einsum": (2, 4),              # einsum over tokens broadcast to the experts: whole experts
     # fused qkv viewed as (B, T, 3, heads, head_dim) then unbound, also after a permute (timm):
     # the heads dim holds the rank's heads of each chunk; Phi-3's uneven slices of one qkv_proj
     "fused_qkv_unbind": (2, 4),

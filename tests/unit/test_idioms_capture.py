@@ -57,16 +57,17 @@ def test_build_is_deterministic(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_expect_names_every_parameter_once(name):
-    """Each trainable FQN matches exactly one of colwise / rowwise / replicated, at any size."""
+    """Each trainable FQN matches exactly one of colwise / rowwise / replicated / expert, at any
+    size."""
     model = idioms.build(name)
     for ws in (1, 2, 4, 8):
         expect = idioms.EXPECT[name].at(ws)
         for fqn, _ in model.named_parameters():
             hits = [s for s, globs in (("col", expect.colwise), ("row", expect.rowwise),
-                                       ("rep", expect.replicated))
+                                       ("rep", expect.replicated), ("expert", expect.expert))
                     if any(fnmatch(fqn, g) for g in globs)]
             assert len(hits) == 1, (ws, fqn, hits)
-        globs = expect.colwise + expect.rowwise + expect.replicated
+        globs = expect.colwise + expect.rowwise + expect.replicated + expect.expert
         for g in globs:  # no stale glob
             assert any(fnmatch(fqn, g) for fqn, _ in model.named_parameters()), g
 

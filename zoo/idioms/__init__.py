@@ -34,9 +34,9 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
                                     WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
-from zoo.idioms.mlps import (FusedGateUp, InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU,
-                             PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE,
-                             StackedMoE)
+from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, InterleavedGateUp, ModuleListMoE,
+                             NormalizedSwiGLU, PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP,
+                             ScaledTokensMoE, StackedMoE)
 
 __all__ = ["IDIOMS", "EXPECT", "Expect", "STYLES", "LAYERS", "VOCAB", "build", "example_inputs"]
 
@@ -47,7 +47,8 @@ __all__ = ["IDIOMS", "EXPECT", "Expect", "STYLES", "LAYERS", "VOCAB", "build", "
 class Expect:
     """A Megatron-style plan: globs on parameter FQNs and all-reduces per layer.
 
-    Every trainable parameter matches exactly one of ``colwise``, ``rowwise``, ``replicated``.
+    Every trainable parameter matches exactly one of ``colwise``, ``rowwise``, ``replicated``
+    and ``expert`` (stacked experts cut by whole experts).
     ``kv`` are column-parallel while the ``kv_heads`` KV heads can be split over the ranks, and
     replicated when there are fewer KV heads than ranks (Megatron's replicated KV groups). The
     whole k and v those compute on every rank have partial gradients, all-reduced in the
@@ -66,6 +67,7 @@ class Expect:
     # (glob, fraction): the part of a fused column-parallel weight Megatron keeps whole too
     # (a Mamba-2 in_proj's B / C rows when there are fewer groups than ranks)
     whole_part: tuple[tuple[str, float], ...] = ()
+    expert: tuple[str, ...] = ()
 
     def at(self, world_size: int) -> "Expect":
         """The plan for ``world_size`` ranks, with ``kv`` resolved (and emptied)."""
@@ -74,9 +76,10 @@ class Expect:
         return replace(self, replicated=self.replicated + self.kv, kv=())
 
     def style(self, fqn: str) -> str | None:
-        """colwise | rowwise | replicate for ``fqn`` (after ``at``); None if no glob names it."""
+        """colwise | rowwise | replicate | expert for ``fqn`` (after ``at``); None if no glob
+        names it."""
         for style, globs in (("colwise", self.colwise), ("rowwise", self.rowwise),
-                             ("replicate", self.replicated)):
+                             ("replicate", self.replicated), ("expert", self.expert)):
             if any(fnmatch(fqn, g) for g in globs):
                 return style
         return None
@@ -206,6 +209,11 @@ _REGISTRY = [
      mlp_expect(*MOE_EXPERTS, **MOE)),
     ("moe_stacked_bmm", lambda: LM(mlp=StackedMoE),
      mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
+    # tokens broadcast over the experts (einsum "td,ehd->eth"): the experts are the first dim
+    # only the weight and the output carry, cut whole under the default experts="tensor" too
+    ("moe_einsum", lambda: LM(mlp=EinsumMoE),
+     Expect(colwise=ATTN_COL, rowwise=ATTN_ROW, expert=_in_layers("mlp.w1", "mlp.w2", "mlp.w3"),
+            **MOE)),
     # the routed tokens' gradient sync shares one all-reduce with the shared expert's input
     ("moe_scaled_tokens", lambda: LM(mlp=ScaledTokensMoE),
      mlp_expect(col=_in_layers("mlp.gate_up", "mlp.shared.w1.weight", "mlp.shared.w3.weight"),
@@ -256,6 +264,7 @@ STYLES = {
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
+    "moe_einsum": "stacked experts by `einsum(\"td,ehd->eth\")` over tokens broadcast to them, combined by `einsum(\"te,etd->td\")`",
     "moe_scaled_tokens": "Llama 4: tokens `repeat`ed per expert times sigmoid scores, stacked `(experts, in, out)` gate_up through `bmm`, a shared expert",
     "per_layer_inputs": "Gemma 3n / 4 per-layer inputs: a `(B, T, layers, P)` tensor made before the blocks, block i gated by `inputs[:, :, i, :]`",
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",

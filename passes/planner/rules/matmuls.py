@@ -10,7 +10,9 @@ import torch
 from torch import fx
 
 from tpcompile.core.placement import Shard
+from tpcompile.runtime.grouped_experts import grouped_mm_rows
 from tpcompile.passes.planner.dims import hinted_shape, shape
+from tpcompile.passes.planner.experts import grouped_mode
 from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import _replicate_all, einsum_rule
 
@@ -100,21 +102,36 @@ def _einsum(op):
     return einsum_rule(op, list(zip(operands, labels)), out, linear=linear, matmul=True)
 
 
-@register(aten._grouped_mm.default, "transformers::grouped_mm_fallback", matmul=True)
+def _localize_grouped_mm(node, local):
+    """Whole experts per rank (the weight arrives cut on its expert dim): the rank multiplies
+    only the rows routed to its experts (:mod:`tpcompile.runtime.grouped_experts`)."""
+    p = local.consumed(node.args[1], node)
+    if not (isinstance(p, Shard) and p.dim == 0):
+        return
+    ((first, last),) = local.specs.ranges(p.layout)[local.rank]
+    kwargs = dict(node.kwargs)
+    offs = node.args[2] if len(node.args) > 2 else kwargs.pop("offs")
+    local.replace_target(node, grouped_mm_rows,
+                         (node.target, node.args[0], node.args[1], offs, first, last))
+    node.kwargs = kwargs
+
+
+@register(aten._grouped_mm.default, "transformers::grouped_mm_fallback", matmul=True,
+          grouped=True, localize=_localize_grouped_mm)
 def _grouped_mm(op):
     """Mixture-of-experts grouped matmul: rows of ``x`` (t, k) in expert groups (``offs``), group
     ``e`` times ``w[e]`` (e, k, n). A cut of ``n`` keeps each expert's output columns local
     (column-parallel experts), a cut of ``k`` gives partial sums (row-parallel); the expert dim
-    is a selection, not a sum, so it carries no label and is never cut."""
+    is a selection, not a sum, so it carries no label and propagation never cuts it. Whole
+    experts per rank are planned on that column -> row chain, then moved onto the expert dim
+    (:mod:`tpcompile.passes.planner.grouped_experts`); this rule records which is asked."""
     x, w = op.node.args[0], op.node.args[1]
     if len(shape(x)) != 2 or len(shape(w)) != 3:
         return _replicate_all(op)
     operands = [(x, ["t", "k"]), (w, [None, "k", "n"])]
     out = einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
     if isinstance(out, Shard) and op.param_behind(w) is not None:
-        op.place_experts(w, "tensor", 'experts="tensor"' if op.options.experts == "tensor" else
-                         f"{op.node.name} picks each row's expert by offsets (a grouped matmul); "
-                         "cutting its experts is not supported yet")
+        op.place_experts(w, *grouped_mode(op, w))
     return out
 
 

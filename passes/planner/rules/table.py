@@ -20,7 +20,8 @@ from tpcompile.passes.planner.rules.einsum import _tensor_args
 
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
-           "is_param_matmul", "is_lookup", "weight_out_first", "is_attention", "flops_of"]
+           "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul", "is_attention",
+           "flops_of"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Rule:
       parallel).
     - ``weight_out_first``: its weight is stored (out features, in features), so a column cut
       splits dim 0 (``linear``).
+    - ``grouped``: a grouped (expert) matmul, ``(x, w, offs)``: the rows of ``x`` are sorted
+      by expert and ``offs`` ends each expert's group; ``w`` stacks the experts on dim 0.
     - ``attention``: scaled-dot-product attention, ``(query, key, value, ...)``: its key and
       value are what a KV cache holds.
     - ``flops(node)``: ``(FLOPs, operands)`` of one whole call, for the cost model: the
@@ -59,6 +62,7 @@ class Rule:
     matmul: bool = False
     lookup: bool = False
     weight_out_first: bool = False
+    grouped: bool = False
     attention: bool = False
     flops: Callable | None = None
 
@@ -147,6 +151,11 @@ def is_lookup(node: fx.Node) -> bool:
 def weight_out_first(node: fx.Node) -> bool:
     """Its weight is stored (out features, in features): a column cut splits dim 0."""
     return bool(_fact(node, "weight_out_first"))
+
+
+def is_grouped_matmul(node: fx.Node) -> bool:
+    """A grouped (expert) matmul ``(x, w, offs)``: rows of ``x`` picked per expert by offsets."""
+    return bool(_fact(node, "grouped"))
 
 
 def is_attention(node: fx.Node) -> bool:
