@@ -225,5 +225,6 @@ def _message(every: list[tuple[str, str | None, tuple]]) -> str:
     return (f"ranks called the module with the same shapes ({every[0][0]}) but different values "
             f"of {', '.join(f'input {name}' for name in differing)} (integer and boolean inputs "
             "are compared: token ids, positions, masks; per tensor: sum / position-weighted sum):"
-            + "".join(f"\n  input {name}:\n" + _grouped([str(v.get(name)) for v in per_rank], "    ")
+            + "".join(f"\n  input {name}:\n"
+                      + _grouped([str(v.get(name)) for v in per_rank], indent="    ")
                       for name in differing) + hint)
