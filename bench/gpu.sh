@@ -26,7 +26,8 @@ case "$check" in
          echo "bench/gpu.sh: arguments go with one check (overhead or decode), or --device cpu" >&2
          exit 2
        fi ;;
-  *) echo "usage: bash bench/gpu.sh [all|overhead|decode] [--device cpu | arguments for that script]" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu.sh [all|overhead|decode] [--device cpu | arguments for that script]" >&2
+     exit 2 ;;
 esac
 if [ $rehearsal = 1 ]; then  # tiny sizes, so that CPU compiles and steps take a few minutes
   overhead_args=(--device cpu --layers 1 --dim 64 --heads 4 --kv-heads 2 --hidden 128 --vocab 256
