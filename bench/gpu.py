@@ -1,26 +1,33 @@
-"""Single-GPU checks: the rewrite's overhead at world size 1, and the shards' compute efficiency.
+"""Single-GPU checks: the rewrite's numerics and overhead at world size 1, one rank's shards.
 
-    bash bench/gpu.sh                  # skips (exit 0) without a CUDA device
-    python -m bench.gpu --device cpu --layers 1 --dim 256 --steps 2   # a smoke run on CPU
+    bash bench/gpu.sh overhead          # skips (exit 0) without a CUDA device
+    bash bench/gpu.sh overhead --device cpu   # the rehearsal: the same code at tiny sizes
 
-1. *Overhead*: a Llama (bf16, torch.compile'd, forward + backward) unsharded against
-   ``tpcompile.parallelize`` of the same model at world size 1 (identity plan, no collectives),
-   also compiled. The ratio should be 1.00: whatever the rewrite adds to the graph costs time.
-2. *Shard efficiency*: one rank's step at world size N = 2, 4, 8, on a fake process group
+On Llama-3-8B-shaped layers (dim 4096, 32 query / 8 KV heads, hidden 14336, vocab 128256;
+``--layers`` of them, 2 by default), bf16 on CUDA, forward + backward:
+
+1. *Numerics at world size 1*: ``tpcompile.tools.numerics.compare`` of
+   ``tpcompile.parallelize`` at world size 1 (identity plan, no collectives) against the model:
+   the output's and the largest gradient's relative error.
+2. *Overhead*: the model unsharded against that module, eager and ``torch.compile``'d. The
+   ratios should be 1.00: whatever the rewrite adds to the graph costs time.
+3. *Shards*: rank 0's step at world size N = 2, 4, 8 on a fake process group
    (``torch.testing._internal.distributed.fake_pg``: collectives return at once and compute
    nothing), so the time is the local matmuls and attention on 1/N of the heads and hidden
-   features. Efficiency = (unsharded step / N) / shard step: 100% when the smaller matmuls
-   run as efficiently as the whole ones; lower means the shards are too thin for the GPU.
-   The fake collectives make the numbers (not the timings) garbage, which is fine here.
+   features: tpcompile's module and ``parallelize_module`` with torchtitan's plan
+   (bench/baselines.py, DTensor), each eager and compiled. Efficiency = (unsharded step / N) /
+   shard step in the same mode: 100% when the smaller matmuls run as efficiently as the whole
+   ones. The fake collectives make the numbers (not the timings) garbage, which is fine here.
 
 Timing: CUDA events around each step after warm-up, median of ``--steps``; variants alternate
 step by step so clock and thermal drift hit both. Prints a markdown table, writes
-bench/results/gpu.json.
+bench/results/gpu-<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -28,9 +35,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import tpcompile
+from bench.baselines import parallelize_dtensor
 from tpcompile.tools import models
+from tpcompile.tools.numerics import compare
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -78,64 +88,98 @@ def _medians(variants: dict, timed, steps: int, warmup: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main(argv=None) -> None:
+def _parse(argv=None) -> argparse.Namespace:
+    """Llama-3-8B-shaped layers by default (dim 4096, 32/8 heads, hidden 14336, vocab 128256)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=11008)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
-    args = p.parse_args(argv)
+    p.add_argument("--no-dtensor", dest="dtensor", action="store_false",
+                   help="leave out the parallelize_module (DTensor, torchtitan plan) shards")
+    return p.parse_args(argv)
+
+
+def _world_size_one(model, tokens, timed, args, options) -> tuple[dict, dict]:
+    """Numerics of the identity plan against the model, and eager / compiled step medians."""
+    _fake_world(1)
+    tp1 = tpcompile.parallelize(model, (tokens,))
+    c = compare(model, tp1, (tokens,))
+    numerics = {"output_err": c.output_err, "max_grad_err": c.max_grad_err}
+    base = _medians({"unsharded eager": _step(model, tokens),
+                     "tpcompile ws 1 eager": _step(tp1, tokens),
+                     "unsharded compiled": _step(torch.compile(model, fullgraph=True), tokens),
+                     "tpcompile ws 1 compiled": _step(torch.compile(tp1, fullgraph=True,
+                                                                    options=options), tokens)},
+                    timed, args.steps, args.warmup)
+    return numerics, base
+
+
+def _shard_variants(model, tokens, ws: int, args, options) -> dict:
+    """Rank 0's step at world size ``ws`` on a fake group: tpcompile's and DTensor's shards."""
+    model.zero_grad(set_to_none=True)  # the copy for DTensor needs no gradients
+    _fake_world(ws)
+    tp = tpcompile.parallelize(model, (tokens,))
+    out = {"tpcompile eager": _step(tp, tokens),
+           "tpcompile compiled": _step(torch.compile(tp, fullgraph=True, options=options), tokens)}
+    if args.dtensor:
+        dt = parallelize_dtensor(copy.deepcopy(model), init_device_mesh(args.device, (ws,)))
+        out["dtensor eager"] = _step(dt, tokens)
+        out["dtensor compiled"] = _step(torch.compile(dt), tokens)
+    return out
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device; skipped")
         return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = models.build("llama", dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                         n_kv_heads=args.kv_heads, hidden=args.hidden, vocab=32000,
+                         n_kv_heads=args.kv_heads, hidden=args.hidden, vocab=args.vocab,
                          max_seq=args.seq).to(args.device, dtype)
     tokens = models.example_inputs(model, args.batch, args.seq)[0].to(args.device)
-    timed = _timer(args.device)
-    options = tpcompile.compile_options()
-
-    _fake_world(1)
-    tp1 = tpcompile.parallelize(model, (tokens,))
-    whole = torch.compile(model, fullgraph=True)
-    base = _medians({"unsharded": _step(whole, tokens),
-                     "tpcompile ws 1": _step(torch.compile(tp1, fullgraph=True, options=options),
-                                             tokens)}, timed, args.steps, args.warmup)
+    timed, options = _timer(args.device), tpcompile.compile_options()
+    numerics, base = _world_size_one(model, tokens, timed, args, options)
     rows = [{"variant": name, "world_size": 1, "step_ms": 1e3 * s,
-             "vs_unsharded": s / base["unsharded"]} for name, s in base.items()]
-    del tp1
+             "vs_unsharded": s / base[name.replace("tpcompile ws 1", "unsharded")]}
+            for name, s in base.items()]
     for ws in args.world_sizes:
-        _fake_world(ws)
-        shard = torch.compile(tpcompile.parallelize(model, (tokens,)), fullgraph=True,
-                              options=options)
-        s = _medians({"shard": _step(shard, tokens)}, timed, args.steps, args.warmup)["shard"]
-        rows.append({"variant": f"rank 0 shard, N={ws}", "world_size": ws, "step_ms": 1e3 * s,
-                     "vs_unsharded": s / base["unsharded"],
-                     "efficiency": base["unsharded"] / ws / s})
-        del shard
+        shards = _medians(_shard_variants(model, tokens, ws, args, options), timed, args.steps,
+                          args.warmup)
+        for name, s in shards.items():
+            ref = base["unsharded " + name.split()[-1]]  # eager or compiled
+            rows.append({"variant": f"rank 0 of {ws}: {name}", "world_size": ws,
+                         "step_ms": 1e3 * s, "vs_unsharded": s / ref, "efficiency": ref / ws / s})
     dist.destroy_process_group()
+    _report(args, dtype, numerics, rows)
 
+
+def _report(args, dtype, numerics: dict, rows: list[dict]) -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{name}, Llama {args.layers} layers, dim {args.dim}, {args.heads}/{args.kv_heads} heads, "
-          f"hidden {args.hidden}, {args.batch}x{args.seq} tokens, {dtype}, compiled fwd+bwd, "
-          f"median of {args.steps}\n")
-    print("| variant | step ms | vs unsharded | efficiency (unsharded / N / shard) |")
+          f"hidden {args.hidden}, vocab {args.vocab}, {args.batch}x{args.seq} tokens, {dtype}, "
+          f"fwd+bwd, median of {args.steps}")
+    print(f"world size 1 vs unsharded (eager, {dtype}): output rel err "
+          f"{numerics['output_err']:.2e}, max grad rel err {numerics['max_grad_err']:.2e}\n")
+    print("| variant | step ms | vs unsharded (same mode) | efficiency (unsharded / N / shard) |")
     print("|---|---:|---:|---:|")
     for r in rows:
         eff = f"{r['efficiency']:.0%}" if "efficiency" in r else "-"
         print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['vs_unsharded']:.3f}x | {eff} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"gpu-{args.device}.json").write_text(json.dumps(
-        {"device": name, "torch": torch.__version__, "config": vars(args), "rows": rows}, indent=1))
+        {"device": name, "torch": torch.__version__, "config": vars(args), "numerics": numerics,
+         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -174,4 +174,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip the interpreter's teardown: there torch 2.11's gloo groups (the CPU rehearsal's) can
+    # abort the finished rank ("terminate called without an active exception", SIGABRT; 1 of
+    # 3 rehearsals), after the results are written; the exit status is the checks'
+    os._exit(status)

@@ -1,17 +1,27 @@
 """Print, as JSON, the plan and every rank's rewritten code for a few models (no process group).
 
 tests/unit/test_determinism.py runs this in fresh interpreters with different PYTHONHASHSEED
-values (PYTHONPATH as pyproject gives the tests) and compares the outputs byte for byte.
+values (PYTHONPATH as pyproject gives the tests), one of them beside a busy loop and with
+``TPCOMPILE_PROBE_NODE_HASH`` set, and compares the outputs byte for byte.
+
+``TPCOMPILE_PROBE_NODE_HASH=seed`` gives every ``fx.Node`` a hash drawn from a generator of that
+seed. CPython iterates a set of nodes (or a dict keyed by them, once resized) in the order of
+their hashes, which are their ``id()``s: addresses that depend on what the process allocated
+and freed before, and so on the load and the timing of garbage collections. Drawn hashes
+stand for any such order, so code that lets one reach the plan or the graph shows here.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import sys
 
 import torch
 from torch import nn
 
+from bench import hf_sweep
 from support import rewrite_ranks
 from tpcompile.tools import models
 from tpcompile.runtime.agreement import digest
@@ -34,8 +44,22 @@ class SetOrder(nn.Module):
         return sum(outs[k] for k in sorted(outs))
 
 
+def shuffle_node_hashes(seed: int) -> None:
+    """Every fx.Node hashes to a number drawn from a generator of ``seed`` (see the module doc)."""
+    draw = random.Random(seed).getrandbits
+
+    def node_hash(node) -> int:
+        if "_probe_hash" not in node.__dict__:
+            node.__dict__["_probe_hash"] = draw(62)
+        return node.__dict__["_probe_hash"]
+
+    torch.fx.Node.__hash__ = node_hash
+
+
 def cases():
     yield "set_order", SetOrder(), (torch.randn(2, 5, 16),), 2, {}
+    # transformers' Gemma 3 loops over set(config.layer_types); the sweep's tiny config
+    yield "hf_gemma3", hf_sweep.build("Gemma3ForCausalLM"), (hf_sweep.example_ids(),), 2, {}
     llama = models.build("llama", dim=48, n_heads=6, n_kv_heads=2, hidden=100, vocab=97, n_layers=1)
     gpt2 = models.build("gpt2", n_layers=1)
     yield "llama_uneven", llama, models.example_inputs(llama), 3, {}
@@ -46,6 +70,8 @@ def cases():
 
 
 def main() -> None:
+    if os.environ.get("TPCOMPILE_PROBE_NODE_HASH"):
+        shuffle_node_hashes(int(os.environ["TPCOMPILE_PROBE_NODE_HASH"]))
     out = {}
     for name, model, x, ws, options in cases():
         plan, entries, graphs = rewrite_ranks(model, x, ws, **options)

@@ -104,9 +104,10 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         sequence_parallel: Megatron-SP: norms, residual adds and dropout run on sequence
             shards (dim 1 of ``(batch, seq, features)`` activations); every all-reduce becomes
             a reduce-scatter and an all-gather. The sequence length is fixed to the example's.
-        check_calls: when the ranks compare a call's inputs before its collectives: ``"new"``
-            the first call with each new signature, ``"every"`` every call (which also names a
-            rank that skipped a call or a backward). See docs/guarantees.md.
+        check_calls: when the ranks compare a call's inputs (shapes, dtypes, the values of
+            integer and boolean inputs) before its collectives: ``"new"`` the first call with
+            each new signature, ``"every"`` every call (which also names a rank that skipped a
+            call or a backward). See docs/guarantees.md.
         reuse_blocks: capture three of the model's identical blocks with torch.export and
             repeat one's graph for the others: the same graph and plan, in a planning time
             that hardly grows with depth (falls back to a whole capture when blocks differ).

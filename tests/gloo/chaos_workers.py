@@ -63,6 +63,8 @@ PERTURBATIONS = {
     # a data loader that gives each rank its own batch: the same shapes, other token ids (a
     # call new to every rank, so "new" mode compares it too)
     "values": (lambda tp, t: _step(tp, _ids(seq=20)), lambda tp, t: _step(tp, _ids(seq=20, seed=3))),
+    # the same, on a later call of an agreed description: compared by "every" mode only
+    "later_values": (lambda tp, t: _step(tp, _ids()), lambda tp, t: _step(tp, _ids(seed=3))),
     "raise_in_forward": (lambda tp, t: _step(tp, _ids()),  # an id beyond the table: InputError
                          lambda tp, t: _step(tp, _ids().fill_(CONFIG["vocab"]))),
     "skip_forward": (lambda tp, t: _step(tp, _ids()), lambda tp, t: _sleep(t)),

@@ -45,8 +45,10 @@ EXPECTED = {
     # the others' backward wait on different groups until the timeout
     ("new", "skip_backward"): ((CHECK, TIMEOUT), (COLLECTIVE, TIMEOUT)),
     ("new", "values"): ((MISMATCH, FAST), (MISMATCH, FAST)),  # the first call of a signature
+    ("new", "later_values"): ((None, None), (None, None)),  # an agreed call: not compared
     ("every", "new_sequence"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "values"): ((MISMATCH, FAST), (MISMATCH, FAST)),
+    ("every", "later_values"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "batch"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "sequence"): ((MISMATCH, FAST), (MISMATCH, FAST)),
     ("every", "dtype"): ((INPUT, FAST), (MISMATCH, FAST)),  # the victim refuses its own call
@@ -116,9 +118,21 @@ def test_a_mismatch_names_every_ranks_call(runs, ws):
 def test_ranks_fed_different_batches_are_named(runs, ws):
     for m, others in _mismatch_messages(runs, ws, "values"):
         assert m.startswith("InputMismatchError: ranks called the module with the same shapes "
-                            "("), m
-        assert "(int64[2, 20]), grad, after a backward) but different integer inputs" in m, m
-        assert f"  {others}: " in m and f"  rank {ws - 1}: " in m
+                            "("), m  # "(call 3: " in "every" mode
+        assert ("(int64[2, 20]), grad, after a backward) but different values of input tokens "
+                "(integer and boolean inputs are compared") in m, m
+        assert f"\n  input tokens:\n    {others}: " in m and f"\n    rank {ws - 1}: " in m, m
+
+
+@pytest.mark.parametrize("ws", WS_PARAMS)
+def test_every_mode_compares_the_values_of_a_later_agreed_call(runs, ws):
+    messages = {r["every"]["later_values"]["error"] for r in runs[ws]}
+    assert len(messages) == 1
+    m = messages.pop()
+    assert m.startswith("InputMismatchError: ranks called the module with the same shapes "), m
+    assert "(int64[2, 8]), grad, after a backward) but different values of input tokens " in m, m
+    others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
+    assert f"\n  input tokens:\n    {others}: " in m and f"\n    rank {ws - 1}: " in m, m
 
 
 @pytest.mark.parametrize("ws", WS_PARAMS)

@@ -36,19 +36,24 @@ def test_a_refusal_is_named_before_any_difference():
                  "range); every rank stops here instead of issuing the model's collectives")
 
 
-def test_same_shapes_with_other_values_name_the_ranks_by_their_digests():
-    ids = torch.arange(32).reshape(2, 16)
-    mine, other = values_digest((ids,), {}), values_digest((ids.flip(-1),), {})
-    assert mine == values_digest((ids.clone(),), {}) and mine != other  # order counts too
-    m = _message([("(int64[2, 16]), grad", None, mine)] * 2
-                 + [("(int64[2, 16]), grad", None, other)])
-    assert m.startswith("ranks called the module with the same shapes ((int64[2, 16]), grad) "
-                        "but different integer inputs (token ids, positions, masks; per tensor: "
-                        f"sum / position-weighted sum):\n  ranks [0, 1]: {mine}\n  rank 2: "
-                        f"{other}\n  hint: every rank"), m
+def test_same_shapes_with_other_values_name_the_input_and_the_ranks():
+    ids, mask = torch.arange(32).reshape(2, 16), torch.ones(2, 16, dtype=torch.bool)
+    names = ["tokens", "mask"]
+    mine = values_digest(names, [ids, mask])
+    other = values_digest(names, [ids.flip(-1), mask])
+    assert mine == values_digest(names, [ids.clone(), mask.clone()])
+    assert mine[0] != other[0] and mine[1] == other[1]  # order counts too
+    m = _message([("(int64[2, 16], bool[2, 16]), grad", None, mine)] * 2
+                 + [("(int64[2, 16], bool[2, 16]), grad", None, other)])
+    assert m.startswith("ranks called the module with the same shapes ((int64[2, 16], "
+                        "bool[2, 16]), grad) but different values of input tokens (integer and "
+                        "boolean inputs are compared: token ids, positions, masks; per tensor: "
+                        f"sum / position-weighted sum):\n  input tokens:\n    ranks [0, 1]: "
+                        f"{mine[0][1]}\n    rank 2: {other[0][1]}\n  hint: every rank"), m
     # floats are not compared: a pipeline stage's shape inference sends uninitialised ones
     x = torch.randn(2, 3)
-    assert values_digest((x, ids), {}) == values_digest((x + 1, ids), {}) == mine
+    assert values_digest(["x"] + names, [x, ids, mask]) == \
+        values_digest(["x"] + names, [x + 1, ids, mask]) == mine
 
 
 def test_an_unknown_mode_is_refused():

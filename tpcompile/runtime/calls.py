@@ -35,7 +35,9 @@ The first call of each description also compares a digest of the integer and boo
 float64: one pass over them, on their device), and ``"every"`` does so on every call: tensor
 parallelism needs the same batch on every rank of the group, and a data loader that gives each
 rank its own batch would otherwise produce a silently wrong model (each rank's shard of
-another batch). Floating-point inputs are not compared: a pipeline stage's received
+another batch). The values ride in the same all-reduce (hashed with the description); only
+ranks that differ exchange the per-input sums, and the error names each input that differs and
+the ranks that agree on it. Floating-point inputs are not compared: a pipeline stage's received
 activations are floats, and torch.distributed.pipelining's shape inference calls a stage with
 uninitialised ones, different on every rank. A later call of an agreed description is not
 compared in ``"new"`` mode.
@@ -106,12 +108,12 @@ def _fingerprint(t: torch.Tensor) -> str:
     return f"{both[0]:.17g}/{both[1]:.17g}"
 
 
-def values_digest(args: tuple, kwargs: dict) -> str:
-    """A cheap fingerprint of the integer and boolean inputs' values (token ids, positions,
-    masks): equal on ranks given the same batch. Floats are left out (see the module doc)."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    return " ".join(_fingerprint(t) for t in leaves if isinstance(t, torch.Tensor)
-                    and not (t.is_floating_point() or t.is_complex()))
+def values_digest(names: list, flat: list) -> tuple[tuple[str, str], ...]:
+    """``(input name, fingerprint)`` of each integer and boolean input (token ids, positions,
+    masks), from a call's flat inputs and their placeholder names: equal on ranks given the
+    same batch. Floats are left out (see the module doc)."""
+    return tuple((name, _fingerprint(t)) for name, t in zip(names, flat)
+                 if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()))
 
 
 def describe(args: tuple, kwargs: dict) -> str:
@@ -150,10 +152,9 @@ class CallCheck:
 
     def __call__(self, spec, args: tuple, kwargs: dict) -> None:
         try:
-            spec.check(args, kwargs)
-            refusal = None
+            flat, refusal = spec.check(args, kwargs), None
         except InputError as e:
-            refusal = e
+            flat, refusal = [], e
         if self.side is None:
             if refusal is not None:
                 raise refusal
@@ -168,13 +169,13 @@ class CallCheck:
         if self.mode == "every":
             self.calls += 1
             text = f"call {self.calls}: {text}"
-        self._agree(text, values_digest(args, kwargs) if refusal is None else "", refusal)
+        self._agree(text, values_digest([w and w.name for w in spec.expected], flat), refusal)
         if self.mode == "new":
             if len(self.agreed) >= CACHE_LIMIT:
                 self.agreed.clear()
             self.agreed.add(text)
 
-    def _agree(self, text: str, values: str, refusal: InputError | None) -> None:
+    def _agree(self, text: str, values: tuple, refusal: InputError | None) -> None:
         d = 0 if refusal is not None else _digest(f"{text}\n{values}")
         both = torch.tensor([d, -d], dtype=torch.int64)
         self._run(lambda: dist.all_reduce(both, dist.ReduceOp.MAX, group=self.side))
@@ -198,16 +199,16 @@ class CallCheck:
             raise collective_failure("the call check (an all_reduce)", self.side, e) from e
 
 
-def _grouped(keys: list[str]) -> str:
+def _grouped(keys: list[str], indent: str = "  ") -> str:
     """'  rank 0: a' / '  ranks [1, 2]: b' lines, in the order each key first appears."""
     groups: dict[str, list[int]] = {}
     for rank, key in enumerate(keys):
         groups.setdefault(key, []).append(rank)
-    return "\n".join(f"  {'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs}: "
-                     f"{key}" for key, rs in groups.items())
+    return "\n".join(f"{indent}{'rank' if len(rs) == 1 else 'ranks'} "
+                     f"{rs[0] if len(rs) == 1 else rs}: {key}" for key, rs in groups.items())
 
 
-def _message(every: list[tuple[str, str | None, str]]) -> str:
+def _message(every: list[tuple[str, str | None, tuple]]) -> str:
     refused = [(r, why) for r, (_, why, _) in enumerate(every) if why is not None]
     if refused:
         rank, why = refused[0]
@@ -216,10 +217,14 @@ def _message(every: list[tuple[str, str | None, str]]) -> str:
     hint = ("\n  hint: every rank of the tensor-parallel group must make the same calls (none "
             "skipped) with the same inputs (the same batch on every rank; a data-parallel split "
             "goes across groups, not within one)")
-    if len({text for text, _, _ in every}) == 1:
-        return (f"ranks called the module with the same shapes ({every[0][0]}) but different "
-                "integer inputs (token ids, positions, masks; per tensor: sum / "
-                "position-weighted sum):\n"
-                + _grouped([values for _, _, values in every]) + hint)
-    return ("ranks called the module with different inputs (dtypes and shapes, grad mode):\n"
-            + _grouped([text for text, _, _ in every]) + hint)
+    if len({text for text, _, _ in every}) > 1:
+        return ("ranks called the module with different inputs (dtypes and shapes, grad mode):\n"
+                + _grouped([text for text, _, _ in every]) + hint)
+    per_rank = [dict(values) for _, _, values in every]
+    differing = [name for name in per_rank[0] if len({v.get(name) for v in per_rank}) > 1]
+    return (f"ranks called the module with the same shapes ({every[0][0]}) but different values "
+            f"of {', '.join(f'input {name}' for name in differing)} (integer and boolean inputs "
+            "are compared: token ids, positions, masks; per tensor: sum / position-weighted sum):"
+            + "".join(f"\n  input {name}:\n"
+                      + _grouped([str(v.get(name)) for v in per_rank], indent="    ")
+                      for name in differing) + hint)
