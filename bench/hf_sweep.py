@@ -491,9 +491,8 @@ def classify(row) -> str:
     # at or under the bound (a parallel attention + MLP block shares one backward all-reduce)
     at = (bool(layers) and _outside_layers_within_bound(row) and not row["gathers"]
           and not row["fallbacks"] and not row["not_sharded"]
-          and all(0 < r["forward"] <= r.get("megatron_forward", 2)
-                  and r["backward"] <= r["megatron_backward"]
-                  for r in layers)
+          and all(0 < r["forward"] <= r.get("megatron_forward", 2) for r in layers)
+          and _backward_within_bound(layers)
           and len(layers) >= min(row.get("n_layers", LAYERS), LAYERS)
           and row["over_ideal"] < 0.01)
     if at:
@@ -501,6 +500,20 @@ def classify(row) -> str:
     if not any(r["forward"] or r["backward"] for r in layers) and row["outside_layers"] == "-":
         return "not sharded"
     return "above bound" if _above(row) else "off bound"
+
+
+def _backward_within_bound(layers) -> bool:
+    """Whether each layer's backward all-reduces, plus those counted in the layer before it,
+    are within the bound: a post-LN layer's input is the previous layer's norm, so the
+    all-reduce of its input gradient is counted there (``nn.TransformerEncoder``: 3 and 1 for
+    Megatron's 2 and 2). Every suffix of layers stays within the suffix of bounds: counts
+    only move to earlier layers."""
+    done = bound = 0
+    for r in reversed(layers):
+        done, bound = done + r["backward"], bound + r["megatron_backward"]
+        if done > bound:
+            return False
+    return True
 
 
 def _outside_layers_within_bound(row) -> bool:
@@ -529,8 +542,8 @@ def _get(cfg, key):
 
 
 def _above(row) -> bool:
-    return any(r["forward"] > r.get("megatron_forward", 2) or r["backward"] > r["megatron_backward"]
-               for r in row["layers"]) \
+    return any(r["forward"] > r.get("megatron_forward", 2) for r in row["layers"]) \
+        or not _backward_within_bound(row["layers"]) \
         or bool(row["gathers"]) or not _outside_layers_within_bound(row)
 
 

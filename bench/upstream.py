@@ -41,43 +41,54 @@ TOLERANCE = 1e-5
 COMMAND = "nice -n 19 python -m bench.upstream --numerics"
 
 
-def _numerics_rank(rank: int, world_size: int, name: str) -> dict:
-    """One rank of the gloo run: the case rebuilt, parallelized, compared with its unsharded self."""
+def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
+    """One rank of the gloo run: each case rebuilt, parallelized, compared with its unsharded
+    self (``compare``: the output and every gradient); a case's failure is its own entry."""
     import torch
 
     import tpcompile
     from tpcompile.tools.numerics import compare
 
     torch.set_num_threads(1)
-    model, inputs, kwargs, _ = build(name)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs or None)
-            c = compare(model, tp, inputs, kwargs=kwargs)
-    except Exception as e:  # noqa: BLE001 - a rank's failure is the row's numerics cell
-        return {"error": _first_line(e)}
-    worst = max(c.grad_errs.items(), key=lambda kv: kv[1]) if c.grad_errs else ("", 0.0)
-    return {"output_err": c.output_err, "max_grad_err": worst[1], "worst_grad": worst[0]}
+    out = {}
+    for name in names:
+        model, inputs, kwargs, _ = build(name)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs or None)
+                c = compare(model, tp, inputs, kwargs=kwargs)
+        except Exception as e:  # noqa: BLE001 - a rank's failure is the row's numerics cell
+            out[name] = {"error": _first_line(e)}
+            continue
+        worst = max(c.grad_errs.items(), key=lambda kv: kv[1]) if c.grad_errs else ("", 0.0)
+        out[name] = {"output_err": c.output_err, "max_grad_err": worst[1],
+                     "worst_grad": worst[0], "grads": len(c.grad_errs)}
+    return out
 
 
-def run_numerics(name: str, world_size: int) -> dict:
-    """The worst rank's output and gradient errors at ``world_size`` gloo ranks."""
+def run_numerics(names: list[str], world_size: int) -> dict[str, dict]:
+    """Per case, the worst rank's output and gradient errors at ``world_size`` gloo ranks (one
+    launch for all of ``names``)."""
     from tpcompile.tools.launch import run_on_ranks
 
     try:
-        per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", world_size, name,
-                                timeout=300)
+        per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", world_size, names,
+                                timeout=300 * len(names))
     except Exception as e:  # noqa: BLE001 - a rank's traceback: keep its exception line
         raised = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
-        return {"error": raised[-1][:300] if raised else _first_line(e)}
+        return {name: {"error": raised[-1][:300] if raised else _first_line(e)} for name in names}
+    return {name: _worst([r[name] for r in per_rank]) for name in names}
+
+
+def _worst(per_rank: list[dict]) -> dict:
     failed = [r for r in per_rank if "error" in r]
     if failed:
         return failed[0]
     worst = max(per_rank, key=lambda r: r["max_grad_err"])
     out = max(r["output_err"] for r in per_rank)
     return {"output_err": out, "max_grad_err": worst["max_grad_err"],
-            "worst_grad": worst["worst_grad"],
+            "worst_grad": worst["worst_grad"], "grads": worst["grads"],
             "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
 
 
@@ -99,7 +110,7 @@ def measure(name: str, numerics: bool) -> dict:
     for ws in WORLD_SIZES:
         plan = plan_row({"family": name}, model, inputs, cfg, ws, kwargs or None)
         if numerics and "per_layer" in plan and shape["num_attention_heads"] % ws == 0:
-            plan["numerics"] = run_numerics(name, ws)
+            plan["numerics"] = run_numerics([name], ws)[name]
             plan["exact"] = plan["numerics"].get("exact", False)
         row[ws] = plan
     row["status"] = row[WORLD_SIZES[0]]["status"]
