@@ -92,6 +92,13 @@ def _worst(per_rank: list[dict]) -> dict:
             "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
 
 
+def plan_at(name: str, world_size: int, built: tuple | None = None) -> dict:
+    """Case ``name``'s plan at ``world_size`` ranks, judged as ``hf_sweep.plan_row`` judges one."""
+    model, inputs, kwargs, shape = built or build(name)
+    return plan_row({"family": name}, model, inputs, SimpleNamespace(**shape), world_size,
+                    kwargs or None)
+
+
 def measure(name: str, numerics: bool) -> dict:
     """One case's row: built unsharded, then planned (and run) at each of ``WORLD_SIZES``."""
     import torch
@@ -106,9 +113,8 @@ def measure(name: str, numerics: bool) -> dict:
     except Exception as e:  # noqa: BLE001 - a model that does not run unsharded here
         return {**row, "status": "not built", "why": _first_line(e),
                 "trace": traceback.format_exc()[-2000:]}
-    cfg = SimpleNamespace(**shape)
     for ws in WORLD_SIZES:
-        plan = plan_row({"family": name}, model, inputs, cfg, ws, kwargs or None)
+        plan = plan_at(name, ws, (model, inputs, kwargs, shape))
         if numerics and "per_layer" in plan and shape["num_attention_heads"] % ws == 0:
             plan["numerics"] = run_numerics([name], ws)[name]
             plan["exact"] = plan["numerics"].get("exact", False)
