@@ -72,12 +72,31 @@ def _map_view(node, p: Shard):
                     return Shard(real_out[1], chunked)
             return Shard(lead, split_layout(p.layout, dst[lead], inner))
         k = real_in.index(p.dim)
+        regrouped = _tiled_split(p, [src[d] for d in real_in], [dst[d] for d in real_out], k)
+        if regrouped is not None:
+            return Shard(real_out[0], regrouped)
         if len(real_out) == 1 and all(isinstance(src[d], int) for d in real_in[k + 1:]):
             # whole dims in front may be symbolic (a dynamic batch): a symbolic count of tiles
             outer, inner = (math.prod(src[d] for d in part) for part in (real_in[:k], real_in[k + 1:]))
             return Shard(real_out[0], tile_layout(merge_layout(p.layout, inner), outer))
         return None
     return None
+
+
+def _tiled_split(p: Shard, src: list, dst: list, k: int):
+    """(outer..., sharded) viewed as (outer * heads, inner...) with sharded = heads * inner:
+    the sharded dim split into heads and merged with the whole dims in front, as
+    ``nn.MultiheadAttention`` views (T, B, E) as (T, B * heads, head_dim). The first output dim
+    holds ``outer`` tiles of the rank's heads; None for any other regrouping."""
+    if k != len(src) - 1 or k == 0 or len(dst) < 2 or p.layout.tiles != 1 or not all(
+            isinstance(s, int) for s in [src[k], *dst[1:]]):
+        return None
+    inner = math.prod(dst[1:])
+    outer = math.prod(size_expr(s) for s in src[:k])  # a dynamic batch: symbolic
+    if src[k] % inner or size_expr(dst[0]) != outer * (src[k] // inner):
+        return None
+    return tile_layout(split_layout(p.layout, src[k] // inner, inner),
+                       int(outer) if all(isinstance(s, int) for s in src[:k]) else outer)
 
 
 def _size_one_moved(groups, p: Shard):
@@ -113,7 +132,11 @@ def _untile(p: Shard, src, dst, real_in, real_out):
     return Shard(real_out[-1], merge_layout(untile_layout(p.layout), inner))
 
 
-def _picked_apart(node: fx.Node, dim: int, depth: int = 4) -> bool:
+# ops that copy their input as it is: the dims of their output are the input's
+_COPIES = (aten.clone.default, aten.contiguous.default)
+
+
+def _picked_apart(node: fx.Node, dim: int, depth: int = 5) -> bool:
     """Whether dim ``dim`` of ``node`` is taken apart index by index (unbind, select) by its
     users, following it through ops that only move dims."""
     n, size = len(shape(node)), size_expr(shape(node)[dim])
@@ -122,6 +145,9 @@ def _picked_apart(node: fx.Node, dim: int, depth: int = 4) -> bool:
             continue
         if user.target in (aten.unbind.int, aten.select.int):
             if norm_dim(user.args[1] if len(user.args) > 1 else 0, n) == dim:
+                return True
+        elif user.target in _COPIES and depth:  # ``.contiguous()`` before the selects
+            if _picked_apart(user, dim, depth - 1):
                 return True
         elif depth and is_view(user) and isinstance(size, int):  # int(): no guard on a symbol
             moved = rule_for(user).maps(user, Shard(dim, Layout("", size)))
@@ -242,12 +268,19 @@ def _interleaved(node, p: Shard):
 
 @_untiled
 def _unflattened(node, p: Shard):
+    """The shard goes to the leading size, or to the second when the leading one is a chunk
+    index picked apart later (``nn.MultiheadAttention``'s packed in_proj unflattened to
+    (3, embed_dim) and selected: each rank holds its heads of q, k and v), as in ``_map_view``."""
     dim, sizes = norm_dim(node.args[1], _ndim(node)), list(node.args[2])
     if dim != p.dim:
         return Shard(p.dim + (len(sizes) - 1) * (p.dim > dim), p.layout)
     if any(not isinstance(s, int) or s == -1 for s in sizes[1:]):
         return None
     inner = math.prod(sizes[1:])
+    if len(sizes) > 1 and isinstance(sizes[0], int) and _picked_apart(node, dim):
+        chunked = chunk_layout(p.layout, sizes[0], sizes[1], math.prod(sizes[2:]))
+        if chunked is not None:
+            return Shard(dim + 1, chunked)
     return Shard(p.dim, split_layout(p.layout, p.layout.size // inner, inner))
 
 

@@ -91,11 +91,12 @@ def _dim_op(op):
 
 
 def _localize_unflatten(node, local):
-    """The shard lands on the first of the unflattened sizes; shards of other dims change none."""
+    """The shard lands on one of the unflattened sizes (the first, or a picked-apart chunk
+    index's next: ``_unflattened``): that size is the rank's; shards of other dims change none."""
     if local.input_sharded_on(node, node.args[1]):
         sizes = list(node.args[2])
         (p,) = local.out_placements(node)
-        sizes[0] = local.local_size(p)
+        sizes[p.dim - norm_dim(node.args[1], len(shape(node.args[0])))] = local.local_size(p)
         local.set_arg(node, 2, sizes)
 
 

@@ -1,0 +1,209 @@
+"""tpcompile's plans of upstream model code: the model classes of libraries users train with.
+
+    nice -n 19 python -m bench.upstream --numerics          # -> results/upstream-<date>.md
+    python -m bench.upstream --only torch.TransformerEncoder litgpt.pythia --numerics
+
+The libraries come from the package index (``pip install -e '.[bench]'``), never vendored:
+PyTorch's own ``nn.Transformer*`` layers and ``nn.MultiheadAttention``, torchtitan's llama3 /
+qwen3 / DeepSeek-V3 / llama4 (its ``ModelArgs`` at tiny sizes), litgpt's ``GPT`` under a few
+``Config.from_name`` architectures (sizes overridden), torchtune's llama3 / qwen2 component
+builders. Every model is tiny (hidden 64, 2 layers, 4 heads, 2 KV heads where the model has
+GQA, intermediate 128, vocab 256), float32, random init under ``torch.manual_seed(0)``, train
+mode, dropout 0; token models take ids 2 x 16, ``nn`` layers a float batch 2 x 16 x 64.
+
+Each model is planned by ``tpcompile.explain`` at 2 and 4 ranks and judged as
+bench/hf_sweep.py judges a transformers family (``hf_sweep.plan_row``: per-layer collectives
+against Megatron's bound, weights Megatron shards left whole, parameter bytes against the
+ideal split); with ``--numerics`` it also runs on 2 and 4 gloo ranks against the unsharded
+model (``tpcompile.tools.numerics.compare``: the output and every gradient, exact at <= 1e-5).
+A library that does not import, or a model that does not run unsharded on CPU, is a row with
+the reason (*not importable*, *not built*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench.hf_sweep import _first_line, _numerics_cell, plan_row
+from bench.upstream_models import CASES, build
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WORLD_SIZES = (2, 4)
+TOLERANCE = 1e-5
+COMMAND = "nice -n 19 python -m bench.upstream --numerics"
+
+
+def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
+    """One rank of the gloo run: each case rebuilt, parallelized, compared with its unsharded
+    self (``compare``: the output and every gradient); a case's failure is its own entry."""
+    import torch
+
+    import tpcompile
+    from tpcompile.tools.numerics import compare
+
+    torch.set_num_threads(1)
+    out = {}
+    for name in names:
+        model, inputs, kwargs, _ = build(name)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs or None)
+                c = compare(model, tp, inputs, kwargs=kwargs)
+        except Exception as e:  # noqa: BLE001 - a rank's failure is the row's numerics cell
+            out[name] = {"error": _first_line(e)}
+            continue
+        worst = max(c.grad_errs.items(), key=lambda kv: kv[1]) if c.grad_errs else ("", 0.0)
+        out[name] = {"output_err": c.output_err, "max_grad_err": worst[1],
+                     "worst_grad": worst[0], "grads": len(c.grad_errs)}
+    return out
+
+
+def run_numerics(names: list[str], world_size: int) -> dict[str, dict]:
+    """Per case, the worst rank's output and gradient errors at ``world_size`` gloo ranks (one
+    launch for all of ``names``)."""
+    from tpcompile.tools.launch import run_on_ranks
+
+    try:
+        per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", world_size, names,
+                                timeout=300 * len(names))
+    except Exception as e:  # noqa: BLE001 - a rank's traceback: keep its exception line
+        raised = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+        return {name: {"error": raised[-1][:300] if raised else _first_line(e)} for name in names}
+    return {name: _worst([r[name] for r in per_rank]) for name in names}
+
+
+def _worst(per_rank: list[dict]) -> dict:
+    failed = [r for r in per_rank if "error" in r]
+    if failed:
+        return failed[0]
+    worst = max(per_rank, key=lambda r: r["max_grad_err"])
+    out = max(r["output_err"] for r in per_rank)
+    return {"output_err": out, "max_grad_err": worst["max_grad_err"],
+            "worst_grad": worst["worst_grad"], "grads": worst["grads"],
+            "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
+
+
+def plan_at(name: str, world_size: int, built: tuple | None = None) -> dict:
+    """Case ``name``'s plan at ``world_size`` ranks, judged as ``hf_sweep.plan_row`` judges one."""
+    model, inputs, kwargs, shape = built or build(name)
+    return plan_row({"family": name}, model, inputs, SimpleNamespace(**shape), world_size,
+                    kwargs or None)
+
+
+def measure(name: str, numerics: bool) -> dict:
+    """One case's row: built unsharded, then planned (and run) at each of ``WORLD_SIZES``."""
+    import torch
+
+    row: dict = {"model": name, "library": CASES[name].library}
+    try:
+        model, inputs, kwargs, shape = build(name)
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    except ImportError as e:
+        return {**row, "status": "not importable", "why": _first_line(e)}
+    except Exception as e:  # noqa: BLE001 - a model that does not run unsharded here
+        return {**row, "status": "not built", "why": _first_line(e),
+                "trace": traceback.format_exc()[-2000:]}
+    for ws in WORLD_SIZES:
+        plan = plan_at(name, ws, (model, inputs, kwargs, shape))
+        if numerics and "per_layer" in plan and shape["num_attention_heads"] % ws == 0:
+            plan["numerics"] = run_numerics([name], ws)[name]
+            plan["exact"] = plan["numerics"].get("exact", False)
+        row[ws] = plan
+    row["status"] = row[WORLD_SIZES[0]]["status"]
+    return row
+
+
+# ------------------------------------------------------------------ the report
+
+def _plan_cell(plan: dict | None) -> str:
+    if plan is None:
+        return "-"
+    if "per_layer" not in plan:
+        return f"{plan['status']}: {plan.get('why', '')[:120]}".replace("|", "/")
+    extra = "; ".join(f"{n}x {k}" for k, n in {**plan["gathers"], **plan["fallbacks"]}.items())
+    whole = "; ".join(sorted(plan["not_sharded"]))[:160]
+    return (f"{plan['per_layer']} (bound {plan['megatron_bound']}), {plan['over_ideal']:+.0%} "
+            f"params: **{plan['status']}**" + (f"; {extra[:160]}" if extra else "")
+            + (f"; whole: {whole}" if whole else "")).replace("|", "/")
+
+
+def summary(rows) -> str:
+    plans = [r[ws] for r in rows for ws in WORLD_SIZES if ws in r]
+    captured = [r for r in rows if r.get(WORLD_SIZES[0], {}).get("captured")]
+    at = [p for p in plans if p["status"] == "at bound"]
+    numerics = [p for p in plans if "numerics" in p]
+    exact = [p for p in numerics if p.get("exact")]
+    return (f"**{len(rows)} models, {len(captured)} captured; {len(at)} of {len(plans)} plans "
+            f"(2 and 4 ranks) at Megatron's bound; {len(exact)} of {len(numerics)} gloo runs "
+            f"exact.**")
+
+
+def report_markdown(rows, meta) -> str:
+    lines = [summary(rows), "",
+             f"`{COMMAND}` ({meta['date']}; torch {meta['torch']}, "
+             + ", ".join(f"{k} {v}" for k, v in meta["libraries"].items())
+             + "). Generated by bench/upstream.py; plans from `tpcompile.explain`, judged as "
+             "bench/hf_sweep.py judges a transformers family; numerics on gloo ranks, "
+             f"tolerance {TOLERANCE:g}. Cells: per-layer forward/backward all-reduces (the "
+             "bound), parameter bytes per rank over the ideal split, status.", "",
+             "| model | library | 2 ranks | numerics 2 | 4 ranks | numerics 4 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if WORLD_SIZES[0] not in r:
+            lines.append(f"| {r['model']} | {r['library']} | {r['status']}: "
+                         f"{r.get('why', '')[:160].replace('|', '/')} | - | - | - |")
+            continue
+        cells = [c for ws in WORLD_SIZES for c in (_plan_cell(r.get(ws)), _numerics_cell(r[ws]))]
+        lines.append(f"| {r['model']} | {r['library']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for lib in ("torchtitan", "litgpt", "torchtune", "torchao"):
+        try:
+            out[lib] = version(lib)
+        except PackageNotFoundError:
+            out[lib] = "not installed"
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(CASES), metavar="MODEL")
+    parser.add_argument("--numerics", action="store_true", help="also run on 2 and 4 gloo ranks")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    rows = []
+    for name in args.only or list(CASES):
+        rows.append(measure(name, args.numerics))
+        print(f"{name}: " + ", ".join(f"{ws}: {_plan_cell(rows[-1].get(ws))} "
+                                      f"{_numerics_cell(rows[-1].get(ws, {}))}"
+                                      for ws in WORLD_SIZES), file=sys.stderr, flush=True)
+    date = datetime.date.today().isoformat()
+    meta = {"date": date, "torch": torch.__version__, "libraries": _versions()}
+    text = report_markdown(rows, meta)
+    if not args.only:
+        (RESULTS / f"upstream-{date}.md").write_text(text)
+        (RESULTS / f"upstream-{date}.json").write_text(
+            json.dumps({**meta, "rows": rows}, indent=1, default=str))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
