@@ -39,7 +39,9 @@ import torch
 from torch import fx
 
 from tpcompile.core.capture import Capture, module_path
-from tpcompile.inspect.bound_graph import Matmul, find_matmuls, reach_forward, root_of
+from tpcompile.inspect.bound_graph import (
+    Matmul, find_matmuls, reach_forward, root_of, value_bytes, whole_read,
+)
 from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import quantized_weights
 
@@ -56,7 +58,7 @@ class BlockBound:
     forward: int
     backward: int
     bytes: int
-    undecided: tuple[str, ...] = ()
+    whole_grads: tuple[str, ...] = ()  # whole weights read where features are cut
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Bound:
     blocks: dict             # layer -> BlockBound
     ideal_bytes: float       # parameter bytes per rank under Megatron's plan
     world_size: int = 1
-    notes: list = field(default_factory=list)
+    undecided: list = field(default_factory=list)  # weights not judged, each with the reason
 
     def split(self) -> list[str]:
         return sorted(w for w, s in self.styles.items() if s != "whole")
@@ -121,41 +123,39 @@ def _is_up_of_row(node: fx.Node, mms: list[Matmul], role: dict) -> bool:
     return any(m.up is node and role.get(m.node) == "rowwise" for m in mms)
 
 
-def _nbytes(node: fx.Node) -> int:
-    v = node.meta.get("val")
-    if not isinstance(v, torch.Tensor):
-        return 0
-    sizes = [s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape]
-    if any(not isinstance(s, int) for s in sizes):
-        return 0
-    n = 1
-    for s in sizes:
-        n *= s
-    return n * v.dtype.itemsize
-
-
-def _block(layer: str, mms: list[Matmul], role: dict, gm: fx.GraphModule) -> BlockBound:
+def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int]:
+    """(all-reduces, bytes): one per group of rowwise matmuls whose partial sums meet."""
     rows = [m.node for m in mms if role.get(m.node) == "rowwise"]
     carriers = {m.node for m in mms if role.get(m.node) == "whole" and _is_up_of_row(m.node, mms, role)}
     reach = {r: reach_forward(r, layer, carriers) for r in rows}
     groups: list[set] = []
     for r in rows:  # union rows whose sums meet
         joined = [g for g in groups if any(reach[r] & reach[o] for o in g)]
-        merged = {r}.union(*joined)
-        groups = [g for g in groups if g not in joined] + [merged]
-    fwd_bytes = sum(max(_nbytes(n) for r in g for n in reach[r]) for g in groups)
+        groups = [g for g in groups if g not in joined] + [{r}.union(*joined)]
+    return len(groups), sum(max(value_bytes(n) for r in g for n in reach[r]) for g in groups)
+
+
+def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> BlockBound:
+    """Forward groups and statistics; backward activations, statistics' gradients and one
+    bucket for the whole weights read where features are cut."""
+    forward, forward_bytes = _forward(layer, mms, role)
     passing = {m.node for m in mms if role.get(m.node) == "whole" and m.up is not None}
-    roots = {root_of(m.activation, layer, passing) for m in mms
-             if role.get(m.node) == "colwise" and m.activation is not None}
-    stats = {s for m in mms if role.get(m.node) == "colwise" for s in m.statistics}
-    return BlockBound(layer, len(groups) + len(stats), len(roots) + bool(stats),
-                      fwd_bytes + sum(_nbytes(r) for r in roots | stats)
-                      + sum(_nbytes(s) for s in stats))
+    cols = [m for m in mms if role.get(m.node) == "colwise"]
+    roots = {root_of(m.activation, layer, passing) for m in cols if m.activation is not None}
+    stats = {s for m in cols for s in m.statistics}
+    whole = whole_read(layer, cols, mms, trainable)
+    sizes = {n: value_bytes(n) for n in roots | stats}
+    return BlockBound(layer, forward + len(stats), len(roots) + bool(stats) + bool(whole),
+                      forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
+                      + sum(value_bytes(w) for w in whole), tuple(sorted({w.target for w in whole})))
 
 
 def megatron_bound(cap: Capture, world_size: int) -> Bound:
     """Megatron's plan of ``cap``'s model on ``world_size`` ranks (see the module docstring)."""
-    mms = find_matmuls(cap, LOW_RANK)
+    found = find_matmuls(cap, LOW_RANK)
+    mms = [m for m in found if m.out_features and m.in_features]
+    undecided = [f"{w}: its matmul's features have no example size" for m in found
+                 if m not in mms for w in m.weights]
     by_layer: dict[str, list[Matmul]] = {}
     for m in mms:
         by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
@@ -177,9 +177,9 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
                 styles[b] = "colwise" if style == "colwise" else "whole"
                 if styles[b] == "whole":
                     reasons[b] = why.get(m.node, "a row-parallel matmul's bias is added after the sum")
-        blocks[layer] = _block(layer, group, role, cap.gm)
+        blocks[layer] = _block(layer, group, role, cap.trainable)
     ideal = _ideal_bytes(cap, styles, world_size)
-    return Bound(styles, reasons, blocks, ideal, world_size)
+    return Bound(styles, reasons, blocks, ideal, world_size, undecided)
 
 
 def _ideal_bytes(cap: Capture, styles: dict, world_size: int) -> float:
@@ -191,6 +191,6 @@ def _ideal_bytes(cap: Capture, styles: dict, world_size: int) -> float:
         if n.target not in counted or names in seen:
             continue
         seen.add(names)
-        size = _nbytes(n)
+        size = value_bytes(n)
         total += size / world_size if styles.get(n.target, "whole") != "whole" else size
     return total

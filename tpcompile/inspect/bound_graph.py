@@ -22,7 +22,7 @@ from tpcompile.passes.planner.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_view
 
-__all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of"]
+__all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", "whole_read"]
 
 aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
@@ -65,6 +65,12 @@ def _sizes(node: fx.Node) -> list[int | None]:
 def _numel(node: fx.Node) -> int | None:
     sizes = _sizes(node)
     return None if None in sizes else math.prod(sizes)
+
+
+def value_bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s value at the example's sizes (0 without one)."""
+    n, v = _numel(node), node.meta.get("val")
+    return n * v.dtype.itemsize if n is not None and isinstance(v, torch.Tensor) else 0
 
 
 def _last(node: fx.Node) -> int | None:
@@ -165,9 +171,11 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
         m.router = _reaches(m.node, layer, by_node, aten.topk.default)
         m.heads, m.statistics = _heads(m), _statistics(m)
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
-        if m.out_features * low_rank <= m.in_features and not m.router and m.up_of is None:
-            up = next((by_node[d] for d in m.downstream
-                       if by_node[d].in_features <= m.out_features and by_node[d].up_of is None),
+        if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
+            continue
+        if m.out_features * low_rank <= m.in_features:
+            up = next((by_node[d] for d in m.downstream if by_node[d].up_of is None
+                       and (by_node[d].in_features or m.out_features + 1) <= m.out_features),
                       None)
             if up is not None:
                 m.up, up.up_of = up.node, m.node
@@ -213,3 +221,36 @@ def root_of(node: fx.Node, layer: str, passing: set) -> fx.Node:
         else:
             break
     return node
+
+
+def whole_read(layer: str, cols: list[Matmul], mms: list[Matmul],
+               trainable: frozenset) -> list[fx.Node]:
+    """Trainable tensors other than matmul weights that are read where ``cols``' cut features
+    flow (up to the next matmul) and have no dim of a cut size (``cols``' output features or
+    heads), so Megatron keeps them whole: a per-head q / k norm's weight. Their gradients
+    are partial sums. (A tensor with a cut size, a norm's gain over the cut features or
+    Mamba's per-channel ``A_log``, is cut with them; a size equal to both the heads and the
+    head dim is taken for the head dim.)"""
+    by_node = {m.node: m for m in mms}
+    features = {m.out_features for m in cols}
+    heads = {m.heads: m.out_features for m in cols if m.heads}
+
+    def cut(sizes: list) -> bool:  # a 1-D tensor of heads == head dim is taken for the latter
+        return bool(features & set(sizes)) or any(
+            h in sizes and (len(sizes) > 1 or h * h != f) for h, f in heads.items())
+
+    region, todo = set(), [u for c in cols for u in c.node.users]
+    while todo:
+        n = todo.pop()
+        if n in region or n in by_node or n.op != "call_function" or _layer(n) != layer:
+            continue
+        region.add(n)
+        todo.extend(n.users)
+    out = {}
+    for n in region:
+        for a in n.all_input_nodes:
+            found = stored_inputs(a)
+            for leaf in found[0] if found else ():
+                if leaf.target in trainable and not cut(_sizes(leaf)):
+                    out[leaf.target] = leaf
+    return list(out.values())
