@@ -18,16 +18,6 @@ from tpcompile.passes import pipeline
 from tpcompile.tools import models
 from zoo import idioms, lora_models, quant_models
 
-# idioms whose Megatron count goes beyond what the bound derives, each with what it misses:
-# the bound reads whole tensors, so it counts too few there (asserted below, not skipped)
-BEYOND = {
-    "fused_qkv_mqa": "the kv head's rows of one fused c_attn kept whole: their gradient",
-    "fused_qkv_mqa_indexed": "the kv heads' rows of one fused qkv kept whole: their gradient",
-    "mamba2_one_group": "B / C's rows of the fused in_proj kept whole, and the gated norm over "
-                        "part of in_proj's features",
-}
-
-
 def captured(model, inputs, kwargs=None):
     """The graph the planner starts from: captured, then prepared."""
     with warnings.catch_warnings():
@@ -53,7 +43,7 @@ def test_idiom_bound_is_the_corpus_plan(name):
         want = (expect.fwd_allreduce_per_layer, expect.bwd_allreduce_per_layer)
         (got,) = _counts(bound)
         assert len(bound.blocks) == 2 and not bound.undecided
-        if name in BEYOND:
+        if name in idioms.BEYOND_DERIVED_BOUND:
             assert got[0] <= want[0] and got[1] <= want[1] and got != want, (ws, got)
         else:
             assert got == want, (ws, got, [b.whole_grads for b in bound.blocks.values()])

@@ -14,28 +14,35 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
 * Styles, in graph order: a matmul whose activation depends (within the block, not through
   another matmul) on a column-parallel output is *rowwise*; any other is *colwise*. A pair's
   down factor is whole when the pair is colwise and rowwise when it is rowwise (the up factor
-  the reverse). Kept *whole*, each with its reason: a matmul whose output reaches ``topk``
-  (a router gate); a colwise matmul whose output reaches no rowwise one (its cut would have to
-  be gathered); a colwise matmul whose output is viewed as heads that do not divide over the
-  ranks (fewer KV heads than ranks) or whose output features do not; every weight outside the
-  repeated blocks. A bias follows a colwise weight and stays whole with a rowwise one.
-* Forward: one all-reduce per group of rowwise matmuls whose outputs are summed before any
-  other use (a MoE block's experts: one), of the summed value's bytes.
+  the reverse), unless the rowwise pair's up output is not summed with another rowwise
+  matmul's: then the down factor's sum is reduced first and the up factor is colwise (Mamba's
+  ``x_proj -> dt_proj``). Kept *whole*, each with its reason: a matmul whose output reaches
+  ``topk`` (a router gate); a colwise matmul whose output reaches no rowwise one (its cut would
+  have to be gathered); a colwise matmul whose output is viewed as fewer heads than ranks (KV
+  heads) or whose output features do not divide; every weight outside the repeated blocks. A
+  bias follows a colwise weight and stays whole with a rowwise one.
+* Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
+  ops before any other use (a MoE block's experts: one), of the summed value's bytes; and one
+  per statistic (a norm's mean) over a colwise matmul's whole output features.
 * Backward: one all-reduce per distinct activation entering the colwise matmuls, followed back
   through views, index picks, repeats and scalings to the value they copy (q, k and v: one;
-  every expert's picked tokens: one), of that value's bytes.
+  every expert's picked tokens: one), of that value's bytes; one for the statistics'
+  gradients; and one bucket for the gradients of whole non-matmul weights read where
+  features are cut (a per-head q / k norm's weight: Megatron all-reduces such gradients).
+  Whole matmuls (KV projections, routers) read the block's activation: their gradients join
+  its all-reduce.
 * Ideal parameter bytes per rank: the split weights' bytes / N plus the whole ones'.
 
-What this cannot count it names in ``undecided`` (a reason per block), never guessing: a
-statistic (a norm, a mean) over features a colwise matmul cut, which Megatron's own plan
-all-reduces too, is not derived here.
+What it reads from whole tensors only, it cannot see inside one: a fused weight's chunk that
+Megatron keeps whole (the kv rows of one qkv under MQA) is counted split, so the bound is low
+there (zoo/idioms ``BEYOND_DERIVED_BOUND`` lists the known cases). A matmul whose sizes have no
+example value is not judged: it is named in ``Bound.undecided`` with the reason.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
 
 from tpcompile.core.capture import Capture, module_path
