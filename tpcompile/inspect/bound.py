@@ -66,6 +66,9 @@ class BlockBound:
     backward: int
     bytes: int
     whole_grads: tuple[str, ...] = ()  # whole weights read where features are cut
+    # the values Megatron all-reduces: the rowwise partial sums up to where they are reduced,
+    # and the activations entering the colwise matmuls (node names of the captured graph)
+    values: dict = field(default_factory=lambda: {"forward": (), "backward": ()})
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,9 @@ def _is_up_of_row(node: fx.Node, mms: list[Matmul], role: dict) -> bool:
     return any(m.up is node and role.get(m.node) == "rowwise" for m in mms)
 
 
-def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int]:
-    """(all-reduces, bytes): one per group of rowwise matmuls whose partial sums meet."""
+def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int, set]:
+    """(all-reduces, bytes, the partial sums): one per group of rowwise matmuls whose partial
+    sums meet."""
     rows = [m.node for m in mms if role.get(m.node) == "rowwise"]
     carriers = {m.node for m in mms if role.get(m.node) == "whole" and _is_up_of_row(m.node, mms, role)}
     reach = {r: reach_forward(r, layer, carriers) for r in rows}
@@ -139,13 +143,14 @@ def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int]:
     for r in rows:  # union rows whose sums meet
         joined = [g for g in groups if any(reach[r] & reach[o] for o in g)]
         groups = [g for g in groups if g not in joined] + [{r}.union(*joined)]
-    return len(groups), sum(max(value_bytes(n) for r in g for n in reach[r]) for g in groups)
+    return (len(groups), sum(max(value_bytes(n) for r in g for n in reach[r]) for g in groups),
+            set().union(*reach.values()))
 
 
 def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> BlockBound:
     """Forward groups and statistics; backward activations, statistics' gradients and one
     bucket for the whole weights read where features are cut."""
-    forward, forward_bytes = _forward(layer, mms, role)
+    forward, forward_bytes, partial = _forward(layer, mms, role)
     passing = {m.node for m in mms if role.get(m.node) == "whole" and m.up is not None}
     cols = [m for m in mms if role.get(m.node) == "colwise"]
     roots = {root_of(m.activation, layer, passing) for m in cols if m.activation is not None}
@@ -154,7 +159,9 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> B
     sizes = {n: value_bytes(n) for n in roots | stats}
     return BlockBound(layer, forward + len(stats), len(roots) + bool(stats) + bool(whole),
                       forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
-                      + sum(value_bytes(w) for w in whole), tuple(sorted({w.target for w in whole})))
+                      + sum(value_bytes(w) for w in whole), tuple(sorted({w.target for w in whole})),
+                      {"forward": tuple(sorted(n.name for n in partial | stats)),
+                       "backward": tuple(sorted(n.name for n in roots | stats))})
 
 
 def megatron_bound(cap: Capture, world_size: int) -> Bound:

@@ -211,12 +211,14 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
 
 
 def root_of(node: fx.Node, layer: str, passing: set) -> fx.Node:
-    """The value ``node`` copies: followed back through views, picks, repeats and scalings
-    (and ``passing``: whole down factors) within ``layer``."""
+    """The value ``node`` copies: followed back through views, picks, repeats and scalings by
+    computed values (a scaling by a stored tensor, a norm's gain, makes a new value), and
+    ``passing`` (whole down factors), within ``layer``."""
     while node.op == "call_function" and _layer(node) == layer:
         if node in passing:
             node = next(a for a in node.all_input_nodes if stored_inputs(a) is None)
-        elif (is_view(node) or node.target in _COPIES) and isinstance(node.args[0], fx.Node):
+        elif (is_view(node) or node.target in _COPIES) and isinstance(node.args[0], fx.Node) \
+                and not any(stored_inputs(a) is not None for a in node.all_input_nodes):
             node = node.args[0]
         else:
             break
