@@ -6,10 +6,11 @@
 No process group: each model is captured, planned and rewritten for rank 0
 (:func:`tpcompile.inspect.trace.trace_rewrite`), and the collectives are read from the rewritten
 graph itself (:func:`tpcompile.inspect.traffic.list_collectives`), forward and backward, each with the
-size of the whole tensor it reduces or assembles. Megatron's bound (:mod:`tpcompile.inspect.traffic`) is
-one forward all-reduce per row-parallel output and one backward all-reduce per replicated
-activation entering a column-parallel chain. *Excess* is everything above it; each excess
-collective is listed with the value it converts, so a non-zero entry says what to look at.
+size of the whole tensor it reduces or assembles. Megatron's bound is derived from the model
+(:mod:`tpcompile.inspect.bound`): one forward all-reduce per group of summed row-parallel
+outputs and one backward all-reduce per activation entering the column-parallel matmuls, per
+repeated block. *Excess* is every collective on none of the values the bound reduces; each is
+listed with the value it converts, so a non-zero entry says what to look at.
 
 The models are the ones the gloo numerics tests run: the built-in MLP, GPT-2 (fused qkv, tied
 embeddings) and Llama (GQA 8 query / 2 KV heads, RoPE, SwiGLU), and when ``transformers`` is
@@ -61,8 +62,9 @@ def measure(name: str, factory, inputs, world_size: int) -> dict:
     trace = trace_rewrite(model, inputs, world_size, copy_weights=False)
     collectives = list_collectives(trace)
     layers = megatron_comparison(trace, collectives)
-    bound_nodes = {"forward": {n for c in trace.chains if c.rowwise for n in c.exits},
-                   "backward": _viewed({n for c in trace.chains if c.rowwise for n in c.entries},
+    blocks = trace.bound.blocks.values()
+    bound_nodes = {"forward": {n for b in blocks for n in b.values["forward"]},
+                   "backward": _viewed({n for b in blocks for n in b.values["backward"]},
                                        trace.cap.gm)}
     # a bucketed gradient sync is on the bound when one of its values is
     excess = [c for c in collectives if not bound_nodes[c.phase].intersection(c.values)]
@@ -80,8 +82,8 @@ def measure(name: str, factory, inputs, world_size: int) -> dict:
 
 
 def _viewed(names: set, gm) -> set:
-    """``names`` and the values they are views of: a chain's entry is often a view of the
-    activation whose gradient sync sits before it (GPT-2's Conv1D reads ``view(norm)``)."""
+    """``names`` and the values they are views of: a matmul's activation is often a view of
+    the value whose gradient sync sits before it (GPT-2's Conv1D reads ``view(norm)``)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     return set(names) | {v.name for name in names if name in nodes for v in viewed_from(nodes[name])}
 

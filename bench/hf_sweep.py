@@ -402,7 +402,10 @@ def plan_row(row: dict, model, inputs: tuple, cfg, world_size: int,
     row["per_layer"] = _per_layer(row["layers"], ("forward", "backward"))
     row["megatron_bound"] = _per_layer([{**r, "f": 2} for r in row["layers"]],
                                        ("f", "megatron_backward")) if layers else "2/2"
-    row["planner_bound"] = _per_layer(row["layers"], ("bound_forward", "bound_backward"))
+    # Megatron's bound derived from the model (tpcompile.inspect.bound): recorded beside the
+    # sweep's own count, which also knows fused weights' whole kv / B-C rows (docs/explain.md)
+    row["derived_bound"] = _per_layer(row["layers"], ("bound_forward", "bound_backward"))
+    row["derived_kept_whole"] = sorted({_fold(w) for m in report.megatron for w in m.whole})
     row["outside_layers"] = _per_layer([vars(m) for m in outside], ("forward", "backward")) \
         if outside else "-"
     row["gathers"] = dict(Counter(f"{c.phase} {c.op} ({_fold(c.module) or 'top level'})"

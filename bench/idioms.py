@@ -12,7 +12,7 @@ Plans come from ``tpcompile.explain``, with no process group. Per idiom and worl
   ``sharded / N + replicated``, where *sharded* is what the idiom's ``Expect`` says a Megatron
   plan cuts (``bench/memory.py``'s ``ideal_split`` with those globs, not the plan's own styles);
 * collectives per layer, forward / backward: tpcompile's, the bound the report derives from the
-  chains the planner found (``report.megatron``), and the idiom's Megatron bound (``Expect``:
+  model (``report.megatron``, :mod:`tpcompile.inspect.bound`), and the idiom's Megatron bound (``Expect``:
   1 + 1 per chain; replicated K / V and an MoE's routing weights have their gradients synced in
   the block input's all-reduce; an MoE is one chain, its experts' partial sums added before
   one all-reduce; a chunk kept whole inside a fused weight or a norm over sharded features
@@ -115,7 +115,8 @@ def measure(name: str, world_size: int) -> dict:
         "param_bytes_max_rank": actual, "param_bytes_ideal": ideal,
         "over_ideal": actual / ideal - 1,
         "per_layer": _per_layer(layers, ("forward", "backward")),
-        "planner_bound": _per_layer(layers, ("bound_forward", "bound_backward")),
+        "derived_bound": _per_layer(layers, ("bound_forward", "bound_backward")),
+        "kept_whole": sorted({_fold(w) for m in report.megatron for w in m.whole}),
         "outside_layers": _per_layer(outside, ("forward", "backward")) if outside else "-",
         "at_megatron_bound": (not outside and bool(layers) and all(
             (m.forward, m.backward) == (expect.fwd_allreduce_per_layer,
@@ -174,7 +175,7 @@ def _counted(counter: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| idiom | ranks | status | params / rank (KiB) | ideal (KiB) | over ideal "
-             "| per layer fwd/bwd | planner bound | Megatron bound | outside layers "
+             "| per layer fwd/bwd | derived bound | Megatron bound | outside layers "
              "| not as expected | gathers / fallbacks | numerics out / grad |",
              "|---|---:|---|---:|---:|---:|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -187,7 +188,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['idiom']} | {r['world_size']} | {r['status']} | "
             f"{_kib(r['param_bytes_max_rank'])} | {_kib(r['param_bytes_ideal'])} | "
-            f"{r['over_ideal']:+.1%} | {r['per_layer']} | {r['planner_bound']} | "
+            f"{r['over_ideal']:+.1%} | {r['per_layer']} | {r['derived_bound']} | "
             f"{r['megatron_bound']} | {r['outside_layers']} | {wrong} | {extra} | "
             f"{r.get('numerics', '-')} |")
     return "\n".join(lines)
@@ -196,6 +197,7 @@ def markdown(rows: list[dict]) -> str:
 def _matches(r: dict) -> bool:
     """The Megatron plan: its styles, its bytes, its collectives and nothing else."""
     return (r["status"].startswith("ok") and r["at_megatron_bound"] and not r["not_as_expected"]
+            and not r.get("kept_whole")
             and r["over_ideal"] < 0.005 and _numerics_ok(r))
 
 
@@ -212,8 +214,8 @@ def details(rows: list[dict]) -> str:
             out.append(f"- **{r['idiom']}**, {r['world_size']} ranks: {r['status']}")
         elif not _matches(r):
             out.append(f"- **{r['idiom']}**, {r['world_size']} ranks: {r['per_layer']} per layer "
-                       f"(Megatron {r['megatron_bound']}, the planner's own bound "
-                       f"{r['planner_bound']}), {r['over_ideal']:+.1%} parameter bytes")
+                       f"(Megatron {r['megatron_bound']}, derived from the model "
+                       f"{r['derived_bound']}), {r['over_ideal']:+.1%} parameter bytes")
             if not r["status"].startswith("ok"):
                 out.append(f"  - {r['status']}")
             out += [f"  - `{k}`: {why}" for k, why in sorted(r["not_as_expected"].items())]

@@ -13,6 +13,7 @@ bench/results/idioms.md.
 import pytest
 
 from bench import idioms as bench
+from zoo import idioms
 
 AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom of the corpus)
     "rope_rotate_half": (2, 4),        # the baseline the planner was built against
@@ -73,7 +74,6 @@ CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
 def test_every_idiom_of_the_corpus_is_asserted():
     """The bench measures the whole corpus; CI asserts every idiom of it, none left out."""
-    from zoo import idioms
     assert sorted(AT_BOUND) == sorted(idioms.IDIOMS)
 
 
@@ -84,6 +84,9 @@ def test_plan_is_megatrons(name, world_size):
     assert not row["not_as_expected"], row["not_as_expected"]
     assert row["param_bytes_max_rank"] <= row["param_bytes_ideal"] * 1.005, row
     assert row["at_megatron_bound"], (row["per_layer"], row["outside_layers"], row["gathers"])
+    assert not row["kept_whole"], row["kept_whole"]  # weights the derived bound splits
+    if name not in idioms.BEYOND_DERIVED_BOUND:
+        assert row["derived_bound"] == row["megatron_bound"], row
     assert not row["fallbacks"], row["fallbacks"]
 
 

@@ -83,7 +83,7 @@ def test_page_has_bytes_bound_table_and_every_kept_whole_weight_with_its_line(ll
     assert "http:" not in html.replace("http://www.w3.org/2000/svg", "")
     bars = re.findall(r'<g class="bar" data-rank="(\d+)" data-bytes="(\d+)">', html)
     assert [int(b) for _, b in bars] == report.param_bytes_per_rank
-    assert "+0 forward, +0 backward collectives, +8,192 bytes against the bound" in html  # k, v grads bucketed
+    assert "at the bound (+8,192 bytes)" in html  # k, v grads bucketed in the input's all-reduce
     # output.weight is kept whole; wk / wv are replicated inside the attention: each with the
     # model line that reads it
     assert re.search(r"<code>output\.weight</code>.*?models\.py:\d+: return self\.output", html)

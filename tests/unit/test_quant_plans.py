@@ -85,7 +85,7 @@ def test_integer_bytes_per_rank_are_one_nth(kind, ws):
 def test_groups_wider_than_a_ranks_share_keep_the_weight_whole_and_say_so():
     """Groups of 64 input features over 4 ranks: w2's 128 inputs are 2 groups, and a rank's
     32 would cut one, so w2 and its scales stay whole (sliced at their use) and explain does
-    not call that plan "at the bound". wo's 64 inputs are one group: each rank holds 16 of its
+    says the plan is above Megatron's bound, naming them. wo's 64 inputs are one group: each rank holds 16 of its
     columns and the group's scale and zero whole."""
     model, inputs = quant_models.build("int4", group=64)
     report = _report(model, inputs, 4)
@@ -97,7 +97,9 @@ def test_groups_wider_than_a_ranks_share_keep_the_weight_whole_and_say_so():
         assert report.params[f"{wo}.weight"].local_shape == [64, 8]
         assert report.params[f"{wo}.scales_and_zeros"].style == "replicate"
     text = str(report)
-    assert "at the bound" not in text and "quantized weight tensor(s) kept whole" in text
+    assert "at the bound" not in text and "-> above the bound: " in text
+    whole = [w for m in report.megatron for w in m.whole]
+    assert sorted(whole) == sorted(f"layers.{i}.feed_forward.w2.weight" for i in range(N_LAYERS))
 
 
 @pytest.mark.parametrize("ws", [2, 4])

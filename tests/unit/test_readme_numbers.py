@@ -74,4 +74,5 @@ def test_built_in_models_at_8_ranks_pay_megatrons_count(name):
     chains = {"mlp": 1}.get(name, 2)
     layers = [m for m in report.megatron if m.layer]
     assert layers and all((m.forward, m.backward) == (chains, chains) for m in layers), layers
+    assert not any(m.above() for m in layers), layers  # Megatron's bound, derived from the model
     assert all(m.forward == m.backward == 0 for m in report.megatron if not m.layer)

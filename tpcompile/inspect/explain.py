@@ -76,6 +76,8 @@ class Report:
     # activation checkpointing: {"kept": [region], "dropped": [{"region", "reason"}]}
     checkpointing: dict = field(default_factory=lambda: {"kept": [], "dropped": []})
     experts: dict = field(default_factory=dict)  # MoE module -> how its experts are cut, why
+    # per rank under Megatron's plan (tpcompile.inspect.bound): split weights / N + the rest
+    param_bytes_ideal: float = 0.0
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         """Per phase, per op: the same shape of data as ``count_collectives``."""
@@ -233,5 +235,5 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         megatron=megatron_comparison(trace, collectives),
         dtensor_plan=styles, not_expressible=missing,
         checkpointing=_checkpointing(trace, activation_checkpointing),
-        experts=dict(trace.plan.experts))
+        experts=dict(trace.plan.experts), param_bytes_ideal=trace.bound.ideal_bytes)
     return page(report, block_view(report, trace)) if html else report

@@ -12,6 +12,7 @@ from __future__ import annotations
 from html import escape
 
 from tpcompile.inspect.plan_block import BlockView
+from tpcompile.inspect.traffic import bound_verdict
 from tpcompile.inspect.plan_svg import PHASE_COLOURS, STYLE_COLOURS, bytes_svg, human_bytes, plan_svg
 
 __all__ = ["page"]
@@ -72,17 +73,15 @@ def _megatron(report) -> str:
     for m in report.megatron:
         vals = (m.bound_forward, m.bound_backward, m.bound_bytes, m.forward, m.backward, m.bytes)
         tot = [a + b for a, b in zip(tot, vals)]
-        over = (m.forward, m.backward, m.bytes) != (m.bound_forward, m.bound_backward, m.bound_bytes)
+        over = m.above()
         rows.append((f"<code>{escape(m.layer or '(outside layers)')}</code>", len(m.chains),
                      f"{vals[0]} / {vals[1]}", f"{vals[2]:,}",
                      f'<span class="{"over" if over else "ok"}">{vals[3]} / {vals[4]}</span>',
                      f"{vals[5]:,}"))
     rows.append(("<b>total</b>", sum(len(m.chains) for m in report.megatron),
                  f"{tot[0]} / {tot[1]}", f"{tot[2]:,}", f"{tot[3]} / {tot[4]}", f"{tot[5]:,}"))
-    extra = (tot[3] - tot[0], tot[4] - tot[1], tot[5] - tot[2])
-    verdict = ('<p class="ok">At the bound.</p>' if extra == (0, 0, 0) else
-               f'<p class="over">{extra[0]:+d} forward, {extra[1]:+d} backward collectives, '
-               f"{extra[2]:+,} bytes against the bound.</p>")
+    said = bound_verdict(report.megatron)
+    verdict = f'<p class="{"over" if said.startswith("above") else "ok"}">{escape(said)}.</p>'
     return _table(("layer", "chains", "bound fwd / bwd", "bound bytes", "actual fwd / bwd",
                    "actual bytes"), rows, {1, 3, 5}) + verdict
 

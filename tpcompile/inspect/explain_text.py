@@ -7,6 +7,8 @@ and what PyTorch's own ``parallelize_module`` could express.
 
 from __future__ import annotations
 
+from tpcompile.inspect.traffic import bound_verdict
+
 __all__ = ["render", "table"]
 
 
@@ -101,8 +103,9 @@ def _checkpointing(regions: dict) -> list[str]:
 
 
 def _megatron(r) -> list[str]:
-    lines = ["Megatron lower bound: 1 all-reduce forward + 1 backward per column -> row chain "
-             "(2 + 2 per transformer layer)"]
+    lines = ["Megatron lower bound per repeated block, derived from the model (docs/explain.md): "
+             "1 all-reduce forward per group of summed row-parallel matmuls, 1 backward per "
+             "activation entering column-parallel ones"]
     rows, tot = [], [0] * 6
     for m in r.megatron:
         vals = (m.bound_forward, m.bound_backward, m.bound_bytes, m.forward, m.backward, m.bytes)
@@ -113,24 +116,7 @@ def _megatron(r) -> list[str]:
                  f"{tot[2]:,}", f"{tot[3]}/{tot[4]}", f"{tot[5]:,}"))
     lines += table(("layer", "chains", "bound fwd/bwd", "bound bytes", "tpcompile fwd/bwd",
                     "tpcompile bytes"), rows)
-    extra = (tot[3] - tot[0], tot[4] - tot[1], tot[5] - tot[2])
-    if extra == (0, 0, 0):
-        verdict = "at the bound"
-    else:
-        verdict = (f"{extra[0]:+d} forward, {extra[1]:+d} backward collectives, {extra[2]:+,} bytes "
-                   "against the bound")
-    return lines + [f"  -> {_whole_quantized(r) or verdict}"]
-
-
-def _whole_quantized(r) -> str:
-    """The verdict when quantized weights stay whole on every rank: their matmuls are in no
-    chain, so the bound above does not count them and "at the bound" would say nothing."""
-    whole = sorted(n for n, p in r.params.items() if p.quantized and p.style == "replicate")
-    if not whole:
-        return ""
-    shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
-    return (f"not comparable to the bound: {len(whole)} quantized weight tensor(s) kept whole on "
-            f"every rank ({shown})")
+    return lines + [f"  -> {bound_verdict(r.megatron)}"]
 
 
 def _dtensor(r) -> list[str]:

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from tpcompile.core.capture import Capture, module_path
+from tpcompile.inspect.bound import Bound, megatron_bound
 from tpcompile.inspect.chains import Chain, find_chains
 from tpcompile.errors import TPCompileError
 from tpcompile.passes import pipeline
@@ -43,6 +44,7 @@ class RewriteTrace:
     relocalized: dict[str, tuple[list, list]]
     chains: list[Chain]              # found on the planned graph, before the rewrite
     chain_of: dict[str, str]         # node name -> its chain's name
+    bound: Bound                     # Megatron's plan of the model, derived without the plan
 
 
 def _literals(node: fx.Node) -> list:
@@ -83,6 +85,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
                             progress=progress or (lambda message: None))
     cap, plan = planned.cap, planned.plan
     chains, chain_of = find_chains(cap.gm, plan)
+    bound = megatron_bound(cap, world_size)
     before = {n.name: _literals(n) for n in cap.gm.graph.nodes if n.op == "call_function"}
     _tell(progress, f"rewriting the graph of rank {rank}")
     gm, records = pipeline.rewrite(planned, rank, group_name, record=render or False,
@@ -93,7 +96,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     for node in gm.graph.nodes:
         if node.name in before and _literals(node) != before[node.name]:
             relocalized[node.name] = (before[node.name], _literals(node))
-    return RewriteTrace(name, cap, plan, gm, rank, stages, relocalized, chains, chain_of)
+    return RewriteTrace(name, cap, plan, gm, rank, stages, relocalized, chains, chain_of, bound)
 
 
 def concrete_shape(value) -> list:

@@ -8,10 +8,10 @@ conversions shared by several consumers counted once. Sizes come from the captur
 ``bytes`` is the size of the whole tensor a collective reduces or assembles (what nccl-tests
 calls the message size); a ring all-reduce moves about 2(N-1)/N of it per rank.
 
-Megatron's lower bound for a column -> row chain is one all-reduce forward (of the row-parallel
-matmul's output) and one backward (of the activation entering the column-parallel matmuls):
-2 + 2 per transformer layer, 1 + 1 per MLP block. An expert-parallel MoE block is one chain
-too: its sum over each rank's experts all-reduced forward, its tokens' gradient backward.
+Megatron's minimum per repeated block is :mod:`tpcompile.inspect.bound`'s, derived from the
+model and not from the plan; a weight it splits that the plan keeps whole is named in the
+block's row (``whole``). Collectives outside the blocks have no bound: their row's bound is
+what they cost.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from tpcompile.core.placement import Shard
 from tpcompile.inspect.chains import layer_of
 from tpcompile.runtime.collectives import COLLECTIVE_FNS, copy_all_to_region, sync_grad_pieces
 from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
 
 __all__ = ["CollectiveEntry", "LayerTraffic", "list_collectives", "megatron_comparison", "nbytes",
-           "dtype_name"]
+           "dtype_name",
+           "bound_verdict"]
 
 PHASES = ("forward", "backward")
 
@@ -50,13 +52,19 @@ class LayerTraffic:
     """One layer's collectives per training step against Megatron's lower bound."""
 
     layer: str               # 'layers.3'; '' for code outside any repeated block
-    chains: list
+    chains: list             # the plan's chains in the layer (names; the bound does not read them)
     bound_forward: int
     bound_backward: int
     bound_bytes: int
     forward: int
     backward: int
     bytes: int
+    whole: list = field(default_factory=list)   # weights Megatron splits, kept whole by the plan
+
+    def above(self) -> bool:
+        """More collectives than Megatron's, or a weight it splits left whole."""
+        return bool(self.whole) or self.forward > self.bound_forward \
+            or self.backward > self.bound_backward
 
 
 def dtype_name(dtype) -> str:
@@ -127,31 +135,50 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
 
 
 def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry]) -> list[LayerTraffic]:
-    """Per layer: Megatron's minimum for its chains next to what tpcompile inserted."""
-    # chains name nodes of the planned graph; the rewrite may fold some away (fuse_bias)
-    nodes = {n.name: n for n in trace.cap.gm.graph.nodes}
+    """Per layer: Megatron's minimum (``trace.bound``) next to what tpcompile inserted."""
     rows: dict[str, dict] = {}
 
     def row(layer: str) -> dict:
         return rows.setdefault(layer, dict(layer=layer, chains=[], bound_forward=0,
                                            bound_backward=0, bound_bytes=0, forward=0,
-                                           backward=0, bytes=0))
+                                           backward=0, bytes=0, whole=[]))
 
+    for layer, block in trace.bound.blocks.items():
+        row(layer).update(bound_forward=block.forward, bound_backward=block.backward,
+                          bound_bytes=block.bytes)
     for chain in trace.chains:
-        if not (chain.rowwise or chain.experts):
-            continue
-        r = row(chain.layer)
-        r["chains"].append(chain.name)
-        for phase, names in (("forward", chain.exits), ("backward", chain.entries)):
-            for name in names:
-                value = nodes[name].meta["val"]
-                r[f"bound_{phase}"] += 1
-                r["bound_bytes"] += nbytes(concrete_shape(value), value.dtype) or 0
+        if chain.layer in rows:
+            rows[chain.layer]["chains"].append(chain.name)
+    for name in trace.bound.split():
+        entry = trace.plan.params.get(name)
+        if entry is not None and (entry.style == "replicate" or not isinstance(entry.placement, Shard)):
+            row(layer_of(name))["whole"].append(name)
     for c in collectives:
         r = row(c.layer)
         r[c.phase] += 1
         r["bytes"] += c.bytes or 0
+    if "" in rows:  # no bound outside the blocks: what runs there is what it costs
+        rows[""].update(bound_forward=rows[""]["forward"], bound_backward=rows[""]["backward"],
+                        bound_bytes=rows[""]["bytes"])
     return [LayerTraffic(**rows[k]) for k in sorted(rows, key=_layer_order)]
+
+
+def bound_verdict(rows: list[LayerTraffic]) -> str:
+    """'at the bound', or 'above the bound: ...' with the collectives paid beyond it and the
+    weights Megatron splits that the plan keeps whole."""
+    forward = sum(max(0, m.forward - m.bound_forward) for m in rows)
+    backward = sum(max(0, m.backward - m.bound_backward) for m in rows)
+    whole = [w for m in rows for w in m.whole]
+    over = []
+    if forward or backward:
+        over.append(f"{forward:+d} forward, {backward:+d} backward collectives")
+    if whole:
+        shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
+        over.append(f"{len(whole)} weight tensor(s) Megatron splits kept whole ({shown})")
+    if over:
+        return "above the bound: " + "; ".join(over)
+    extra = sum(m.bytes - m.bound_bytes for m in rows)
+    return "at the bound" + (f" ({extra:+,} bytes)" if extra else "")
 
 
 def _layer_order(layer: str):

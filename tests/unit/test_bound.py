@@ -1,0 +1,125 @@
+"""Megatron's bound derived from the model (tpcompile/inspect/bound.py) against Megatron's plans
+known independently: the idiom corpus's hand-written ``Expect`` (styles and all-reduces per
+layer), the built-in models, LoRA and quantized copies (the base model's plan), and the
+``base_model_tp_plan`` transformers ships with its models. Capture only: nothing is planned.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from fnmatch import fnmatch
+
+import pytest
+
+from tpcompile.core.capture import capture
+from tpcompile.inspect.bound import megatron_bound
+from tpcompile.passes import pipeline
+from tpcompile.tools import models
+from zoo import idioms, lora_models, quant_models
+
+def captured(model, inputs, kwargs=None):
+    """The graph the planner starts from: captured, then prepared."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(model, inputs, kwargs, dynamic=False)
+        gm, _ = pipeline.run_passes(cap.gm, pipeline.PREPARE_PASSES)
+    return replace(cap, gm=gm)
+
+
+def _counts(bound) -> set[tuple[int, int]]:
+    return {(b.forward, b.backward) for b in bound.blocks.values()}
+
+
+@pytest.mark.parametrize("name", sorted(idioms.IDIOMS))
+def test_idiom_bound_is_the_corpus_plan(name):
+    cap = captured(idioms.build(name), idioms.example_inputs(2, 16))
+    for ws in (2, 4):
+        expect, bound = idioms.EXPECT[name].at(ws), megatron_bound(cap, ws)
+        for w, style in bound.styles.items():
+            if w in cap.trainable:
+                want = {"replicate": "whole"}.get(expect.style(w), expect.style(w))
+                assert style == want, (ws, w, bound.reasons.get(w))
+        want = (expect.fwd_allreduce_per_layer, expect.bwd_allreduce_per_layer)
+        (got,) = _counts(bound)
+        assert len(bound.blocks) == 2 and not bound.undecided
+        if name in idioms.BEYOND_DERIVED_BOUND:
+            assert got[0] <= want[0] and got[1] <= want[1] and got != want, (ws, got)
+        else:
+            assert got == want, (ws, got, [b.whole_grads for b in bound.blocks.values()])
+
+
+@pytest.mark.parametrize("name,ws,whole", [
+    ("llama", 2, set()),
+    ("llama", 4, {"attention.wk", "attention.wv"}),  # 2 KV heads on 4 ranks
+    ("gpt2", 4, set()),
+    ("mlp", 4, set()),
+])
+def test_builtin_bound(name, ws, whole):
+    model = models.build(name)
+    bound = megatron_bound(captured(model, models.example_inputs(model)), ws)
+    chains = 1 if name == "mlp" else 2
+    assert _counts(bound) == {(chains, chains)}
+    first = min(bound.blocks) + "."
+    assert {w.removeprefix(first).removesuffix(".weight") for w, s in bound.styles.items()
+            if w.startswith(first) and s == "whole"} == whole
+    for w, why in bound.reasons.items():
+        assert "fewer than the 4 ranks" in why or "outside the repeated blocks" in why, (w, why)
+    assert bound.ideal_bytes < sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_lora_bound_is_the_base_models():
+    """Adapters add no collective; Megatron splits an adapter's wide factor and keeps its
+    rank-wide side whole: A whole / B colwise on a column-parallel linear, A rowwise / B whole
+    on a row-parallel one."""
+    model, inputs, kwargs, base = lora_models.build("llama")
+    lora, plain = (megatron_bound(captured(m, inputs, kwargs), 2) for m in (model, base))
+    assert _counts(lora) == _counts(plain) == {(2, 2)}
+    for path, (w, a, b) in lora_models.adapters(model).items():
+        style = plain.styles[lora_models.base_fqn(path)]
+        assert lora.styles[w] == style
+        assert (lora.styles[a], lora.styles[b]) == (
+            ("whole", "colwise") if style == "colwise" else ("rowwise", "whole")), path
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_bound_is_the_base_models(kind):
+    model, inputs = quant_models.build(kind)
+    base = models.build("llama", n_kv_heads=4)
+    quant, plain = megatron_bound(captured(model, inputs), 4), \
+        megatron_bound(captured(base, inputs), 4)
+    assert _counts(quant) == _counts(plain) == {(2, 2)}
+    assert quant.styles == plain.styles
+    assert quant.ideal_bytes < plain.ideal_bytes  # integer block weights
+
+
+# the entries of a model's base_model_tp_plan that cut a weight by output or input features
+PLAIN = {"colwise": "colwise", "packed_colwise": "colwise", "rowwise": "rowwise"}
+TP_PLAN_FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "Gemma2ForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("family", TP_PLAN_FAMILIES)
+def test_bound_agrees_with_transformers_tp_plan(family):
+    """Every weight a family's ``base_model_tp_plan`` splits colwise or rowwise (stacked
+    experts' packed gate / up: colwise), the bound splits the same way (or keeps whole, saying
+    why: fewer heads than ranks)."""
+    pytest.importorskip("transformers")
+    from bench import hf_sweep
+
+    model = hf_sweep.build(family)
+    plan = {k: PLAIN[v] for k, v in (model.config.base_model_tp_plan or {}).items() if v in PLAIN}
+    assert plan, family
+    bound = megatron_bound(captured(model, (hf_sweep.example_ids(),)), 2)
+    prefix = model.base_model_prefix + "."
+    checked = 0
+    for w, style in bound.styles.items():
+        name = w.removeprefix(prefix)  # a Linear's weight, or a stacked experts' Parameter
+        want = next((v for k, v in plan.items()
+                     if fnmatch(name, k) or fnmatch(name.rpartition(".")[0], k)), None)
+        if want is None or w.endswith(".bias"):
+            continue
+        checked += 1
+        assert style == want or (style == "whole" and "head(s)" in bound.reasons[w]), (
+            w, style, want, bound.reasons.get(w))
+    assert checked >= 2 * len(bound.blocks), (family, checked)

@@ -1,0 +1,210 @@
+"""Megatron's bound: the plan Megatron-LM would write for a model, derived from the model.
+
+The bound is computed from the captured graph before planning, never from tpcompile's plan,
+so a weight the planner leaves whole cannot shrink it. Definition, per repeated block (the
+module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.layer_of`):
+
+* A *matmul* is a node the rule table marks ``matmul`` with one operand computed from stored
+  tensors only (a parameter, its views, a quantized weight's dequantization); its *weight* is
+  that operand's largest tensor, its *activation* the other operand.
+* A *low-rank pair* is a matmul whose output features are at most a quarter of its input
+  features (the down factor) followed, within the block, by a matmul reading no more features
+  than that (the up factor): a LoRA adapter, an MLA down/up projection. Megatron splits one
+  factor and keeps the narrow side whole; the pair counts as one matmul.
+* Styles, in graph order: a matmul whose activation depends (within the block, not through
+  another matmul) on a column-parallel output is *rowwise*; any other is *colwise*. A pair's
+  down factor is whole when the pair is colwise and rowwise when it is rowwise (the up factor
+  the reverse), unless the rowwise pair's up output is not summed with another rowwise
+  matmul's: then the down factor's sum is reduced first and the up factor is colwise (Mamba's
+  ``x_proj -> dt_proj``). Kept *whole*, each with its reason: a matmul whose output reaches
+  ``topk`` (a router gate); a colwise matmul whose output reaches no rowwise one (its cut would
+  have to be gathered); a colwise matmul whose output is viewed as fewer heads than ranks (KV
+  heads) or whose output features do not divide; every weight outside the repeated blocks. A
+  bias follows a colwise weight and stays whole with a rowwise one.
+* Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
+  ops before any other use (a MoE block's experts: one), of the summed value's bytes; and one
+  per statistic (a norm's mean) over a colwise matmul's whole output features.
+* Backward: one all-reduce per distinct activation entering the colwise matmuls, followed back
+  through views, index picks, repeats and scalings to the value they copy (q, k and v: one;
+  every expert's picked tokens: one), of that value's bytes; one for the statistics'
+  gradients; and one bucket for the gradients of whole non-matmul weights read where
+  features are cut (a per-head q / k norm's weight: Megatron all-reduces such gradients).
+  Whole matmuls (KV projections, routers) read the block's activation: their gradients join
+  its all-reduce.
+* Ideal parameter bytes per rank: the split weights' bytes / N plus the whole ones'.
+
+What it reads from whole tensors only, it cannot see inside one: a fused weight's chunk that
+Megatron keeps whole (the kv rows of one qkv under MQA) is counted split, so the bound is low
+there (zoo/idioms ``BEYOND_DERIVED_BOUND`` lists the known cases). A matmul whose sizes have no
+example value is not judged: it is named in ``Bound.undecided`` with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from tpcompile.core.capture import Capture, module_path
+from tpcompile.inspect.bound_graph import (
+    Matmul, find_matmuls, reach_forward, root_of, value_bytes, whole_read,
+)
+from tpcompile.inspect.chains import layer_of
+from tpcompile.passes.planner.quantized import quantized_weights
+
+__all__ = ["Bound", "BlockBound", "megatron_bound"]
+
+LOW_RANK = 4  # a down factor's output is at most 1/LOW_RANK of its input features
+
+
+@dataclass(frozen=True)
+class BlockBound:
+    """Megatron's collectives for one repeated block, per training step."""
+
+    layer: str
+    forward: int
+    backward: int
+    bytes: int
+    whole_grads: tuple[str, ...] = ()  # whole weights read where features are cut
+    # the values Megatron all-reduces: the rowwise partial sums up to where they are reduced,
+    # and the activations entering the colwise matmuls (node names of the captured graph)
+    values: dict = field(default_factory=lambda: {"forward": (), "backward": ()})
+
+
+@dataclass(frozen=True)
+class Bound:
+    styles: dict             # weight (get_attr target) -> colwise | rowwise | whole
+    reasons: dict            # weight -> why Megatron keeps it whole (whole weights only)
+    blocks: dict             # layer -> BlockBound
+    ideal_bytes: float       # parameter bytes per rank under Megatron's plan
+    world_size: int = 1
+    undecided: list = field(default_factory=list)  # weights not judged, each with the reason
+
+    def split(self) -> list[str]:
+        return sorted(w for w, s in self.styles.items() if s != "whole")
+
+
+def _roles(mms: list[Matmul], world_size: int, layer: str) -> tuple[dict, dict]:
+    """matmul node -> colwise | rowwise | whole, and the reason of each whole one."""
+    role, why = {}, {}
+    for m in mms:
+        if m.router:
+            role[m.node], why[m.node] = "whole", "a router gate (its output picks experts by topk)"
+            continue
+        if m.up_of is not None:  # the pair's style was set at its down factor
+            continue
+        upstream = {role[u] for u in m.upstream if u in role}
+        style = "rowwise" if "colwise" in upstream else "colwise"
+        if m.up is not None and (style == "colwise" or _summed_with_row(m, mms, layer)):
+            role[m.node] = "whole" if style == "colwise" else "rowwise"
+            role[m.up] = "colwise" if style == "colwise" else "whole"
+            why[m.up if style == "rowwise" else m.node] = (
+                "the narrow side of a low-rank pair (Megatron splits the wide factor)")
+            continue
+        role[m.node] = style
+        if m.up is not None:  # reduced before its up factor, which starts a chain (Mamba's
+            role[m.up] = "colwise"  # x_proj -> dt_proj)
+    for m in mms:  # a colwise cut that reaches no rowwise matmul, or does not divide
+        if role.get(m.node) != "colwise" or m.up_of is not None:
+            continue
+        if not any(role.get(d) == "rowwise" or (role.get(d) == "whole" and _is_up_of_row(d, mms, role))
+                   for d in m.downstream):
+            role[m.node], why[m.node] = "whole", "its output reaches no row-parallel matmul"
+        elif m.heads is not None and m.heads < world_size:
+            role[m.node], why[m.node] = "whole", (
+                f"{m.heads} head(s), fewer than the {world_size} ranks")
+        elif m.out_features % world_size:
+            role[m.node], why[m.node] = "whole", (
+                f"{m.out_features} output features do not divide over {world_size} ranks")
+    return role, why
+
+
+def _summed_with_row(down: Matmul, mms: list[Matmul], layer: str) -> bool:
+    """A rowwise down factor's up factor adds its output to another rowwise matmul's (LoRA on
+    a row-parallel linear): the whole up factor carries the partial sum to that one's
+    all-reduce."""
+    ups = reach_forward(down.up, layer, set())
+    return any(ups & reach_forward(m.node, layer, set()) for m in mms
+               if m.node not in (down.node, down.up) and m.up_of is None and m.up is None)
+
+
+def _is_up_of_row(node: fx.Node, mms: list[Matmul], role: dict) -> bool:
+    """``node`` is the whole up factor of a rowwise low-rank pair."""
+    return any(m.up is node and role.get(m.node) == "rowwise" for m in mms)
+
+
+def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int, set]:
+    """(all-reduces, bytes, the partial sums): one per group of rowwise matmuls whose partial
+    sums meet."""
+    rows = [m.node for m in mms if role.get(m.node) == "rowwise"]
+    carriers = {m.node for m in mms if role.get(m.node) == "whole" and _is_up_of_row(m.node, mms, role)}
+    reach = {r: reach_forward(r, layer, carriers) for r in rows}
+    groups: list[set] = []
+    for r in rows:  # union rows whose sums meet
+        joined = [g for g in groups if any(reach[r] & reach[o] for o in g)]
+        groups = [g for g in groups if g not in joined] + [{r}.union(*joined)]
+    return (len(groups), sum(max(value_bytes(n) for r in g for n in reach[r]) for g in groups),
+            set().union(*reach.values()))
+
+
+def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> BlockBound:
+    """Forward groups and statistics; backward activations, statistics' gradients and one
+    bucket for the whole weights read where features are cut."""
+    forward, forward_bytes, partial = _forward(layer, mms, role)
+    passing = {m.node for m in mms if role.get(m.node) == "whole" and m.up is not None}
+    cols = [m for m in mms if role.get(m.node) == "colwise"]
+    roots = {root_of(m.activation, layer, passing) for m in cols if m.activation is not None}
+    stats = {s for m in cols for s in m.statistics}
+    whole = whole_read(layer, cols, mms, trainable)
+    sizes = {n: value_bytes(n) for n in roots | stats}
+    return BlockBound(layer, forward + len(stats), len(roots) + bool(stats) + bool(whole),
+                      forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
+                      + sum(value_bytes(w) for w in whole), tuple(sorted({w.target for w in whole})),
+                      {"forward": tuple(sorted(n.name for n in partial | stats)),
+                       "backward": tuple(sorted(n.name for n in roots | stats))})
+
+
+def megatron_bound(cap: Capture, world_size: int) -> Bound:
+    """Megatron's plan of ``cap``'s model on ``world_size`` ranks (see the module docstring)."""
+    found = find_matmuls(cap, LOW_RANK)
+    mms = [m for m in found if m.out_features and m.in_features]
+    undecided = [f"{w}: its matmul's features have no example size" for m in found
+                 if m not in mms for w in m.weights]
+    by_layer: dict[str, list[Matmul]] = {}
+    for m in mms:
+        by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
+    styles, reasons, blocks = {}, {}, {}
+    for layer, group in by_layer.items():
+        if not layer:
+            for m in group:
+                for w in m.weights + m.biases:
+                    styles[w], reasons[w] = "whole", "outside the repeated blocks"
+            continue
+        role, why = _roles(group, world_size, layer)
+        for m in group:
+            style = role[m.node]
+            for w in m.weights:
+                styles[w] = style
+                if style == "whole":
+                    reasons[w] = why[m.node]
+            for b in m.biases:
+                styles[b] = "colwise" if style == "colwise" else "whole"
+                if styles[b] == "whole":
+                    reasons[b] = why.get(m.node, "a row-parallel matmul's bias is added after the sum")
+        blocks[layer] = _block(layer, group, role, cap.trainable)
+    ideal = _ideal_bytes(cap, styles, world_size)
+    return Bound(styles, reasons, blocks, ideal, world_size, undecided)
+
+
+def _ideal_bytes(cap: Capture, styles: dict, world_size: int) -> float:
+    """Every parameter and quantized weight tensor (what explain's parameter bytes count) once:
+    split ones / N, the rest whole (aliases of a tied weight once)."""
+    seen, total, counted = set(), 0.0, cap.params | quantized_weights(cap.gm)
+    for n in cap.gm.graph.find_nodes(op="get_attr"):
+        names = cap.aliases.get(n.target, (n.target,))
+        if n.target not in counted or names in seen:
+            continue
+        seen.add(names)
+        size = value_bytes(n)
+        total += size / world_size if styles.get(n.target, "whole") != "whole" else size
+    return total

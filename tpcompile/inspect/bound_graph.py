@@ -1,0 +1,258 @@
+"""The facts of a captured graph that Megatron's bound (:mod:`tpcompile.inspect.bound`) reads.
+
+Per matmul with a stored operand: its weights, its activation, its features, the matmuls it
+reads from and feeds within its block (through any op but another matmul), whether it picks
+experts (a router), whether it is one factor of a low-rank pair, the heads its output is viewed
+as, and the statistics taken over all of its output features. And two walks the collective
+counts need: how far a partial sum stays a sum (``reach_forward``), and which value an
+activation copies (``root_of``). Nothing here looks at a plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from tpcompile.core.capture import Capture, module_path
+from tpcompile.inspect.chains import layer_of
+from tpcompile.passes.planner.quantized import stored_inputs
+from tpcompile.passes.planner.rules import is_param_matmul
+from tpcompile.passes.planner.rules.table import is_view
+
+__all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", "whole_read"]
+
+aten = torch.ops.aten
+# ops linear in a partial sum: it stays a sum of the ranks' pieces through them
+_SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
+         aten.index_add.default, aten.index_put.default, aten.scatter_add.default,
+         aten._to_copy.default, aten.clone.default, aten.sum.dim_IntList}
+# ops whose first input is the value they copy (picked, repeated, scaled)
+_COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
+           aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default, aten.clone.default,
+           aten.expand.default}
+_STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
+               aten.linalg_vector_norm.default, aten.amax.default}
+
+
+@dataclass
+class Matmul:
+    node: fx.Node
+    weights: list            # the weight operand's largest stored tensor (not its scales)
+    biases: list             # targets of the other stored operands
+    activation: fx.Node | None
+    in_features: int
+    out_features: int
+    upstream: list = field(default_factory=list)    # nearest matmuls it reads from
+    downstream: list = field(default_factory=list)  # nearest matmuls reading it
+    router: bool = False     # its output reaches topk
+    up: fx.Node | None = None      # set on a down factor: its up factor
+    up_of: fx.Node | None = None   # set on an up factor: its down factor
+    heads: int | None = None
+    statistics: tuple = ()
+
+
+def _sizes(node: fx.Node) -> list[int | None]:
+    """Its value's sizes at the example's inputs; None for a size with no example value."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return [None]
+    return [s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+
+
+def _numel(node: fx.Node) -> int | None:
+    sizes = _sizes(node)
+    return None if None in sizes else math.prod(sizes)
+
+
+def value_bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s value at the example's sizes (0 without one)."""
+    n, v = _numel(node), node.meta.get("val")
+    return n * v.dtype.itemsize if n is not None and isinstance(v, torch.Tensor) else 0
+
+
+def _last(node: fx.Node) -> int | None:
+    sizes = _sizes(node)
+    return sizes[-1] if sizes else 1
+
+
+def _matmul(node: fx.Node) -> Matmul | None:
+    """``node`` as a matmul of a stored weight; None when no operand is stored."""
+    stored, acts = [], []
+    for arg in node.all_input_nodes:
+        found = stored_inputs(arg)
+        (stored if found is not None and found[0] else acts).append((arg, found))
+    if not stored or not acts or node.meta.get("val") is None:
+        return None
+    stored.sort(key=lambda s: -max(_numel(leaf) or 0 for leaf in s[1][0]))
+    act = acts[0][0]
+    in_f, out_numel, act_numel = _last(act), _numel(node), _numel(act)
+    # features per token: the einsum "bld,dhk->blhk" makes h * k of them
+    out_f = out_numel * in_f // act_numel if out_numel and act_numel else _last(node)
+    weight = max(stored[0][1][0], key=lambda leaf: _numel(leaf) or 0)
+    return Matmul(node, [weight.target],
+                  [leaf.target for _, f in stored[1:] for leaf in f[0]], act, in_f, out_f)
+
+
+def _layer(node: fx.Node) -> str:
+    return layer_of(module_path(node))
+
+
+def _nearest(m: Matmul, by_node: dict, layer: str, up: bool) -> list[fx.Node]:
+    """The matmuls of ``layer`` ``m`` reads from (``up``) or feeds, through any other op."""
+    found, seen = [], set()
+    todo = [m.activation] if up else list(m.node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op in ("placeholder", "get_attr", "output") or _layer(n) != layer:
+            continue
+        seen.add(n)
+        other = by_node.get(n)
+        if other is not None:
+            found.append(n)
+            continue
+        todo.extend(n.all_input_nodes if up else n.users)
+    return found
+
+
+def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or n in by_node or n.op == "output" or _layer(n) != layer:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target is target:
+            return True
+        todo.extend(n.users)
+    return False
+
+
+def _heads(m: Matmul) -> int | None:
+    """The heads ``m``'s output is viewed as: a view whose trailing dims (heads, head_dim)
+    multiply to the output features; None when it is never viewed so."""
+    todo = [m.node]
+    while todo:
+        n = todo.pop()
+        dims = _sizes(n)
+        for k in range(len(dims) - 2, 0, -1):
+            if None not in dims[k:] and math.prod(dims[k:]) == m.out_features:
+                return dims[-2]
+        todo.extend(u for u in n.users if is_view(u))
+    return None
+
+
+def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
+    """Reductions over every output feature of ``m`` (a norm over the whole projection, not
+    per head), reached through views and elementwise ops."""
+    out, seen, todo = [], set(), list(m.node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if (n.target in _STATISTICS and _last(n.args[0]) == m.out_features
+                and _last(n) != m.out_features):
+            out.append(n)
+        elif is_view(n) or n.target in _SUMS or n.target is aten.pow.Tensor_Scalar:
+            todo.extend(n.users)
+    return tuple(out)
+
+
+def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
+    """Every matmul of a stored weight in ``cap``'s graph, in graph order, with its links."""
+    mms = [m for n in cap.gm.graph.nodes if is_param_matmul(n) for m in [_matmul(n)] if m]
+    by_node = {m.node: m for m in mms}
+    for m in mms:
+        layer = _layer(m.node)
+        m.downstream = _nearest(m, by_node, layer, up=False)
+        m.router = _reaches(m.node, layer, by_node, aten.topk.default)
+        m.heads, m.statistics = _heads(m), _statistics(m)
+    for m in mms:  # pair low-rank factors before the upstream walk passes through them
+        if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
+            continue
+        if m.out_features * low_rank <= m.in_features:
+            up = next((by_node[d] for d in m.downstream if by_node[d].up_of is None
+                       and (by_node[d].in_features or m.out_features + 1) <= m.out_features),
+                      None)
+            if up is not None:
+                m.up, up.up_of = up.node, m.node
+    for m in mms:
+        m.upstream = _through_down(m, by_node)
+    return mms
+
+
+def _through_down(m: Matmul, by_node: dict) -> list[fx.Node]:
+    """``m``'s nearest upstream matmuls, a down factor replaced by what it reads from."""
+    out, layer = [], _layer(m.node)
+    for n in _nearest(m, by_node, layer, up=True):
+        down = by_node[n]
+        out += _through_down(down, by_node) if down.up is not None else [n]
+    return out
+
+
+def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
+    """The values a partial sum from ``node`` reaches while every use of it keeps it a sum
+    (``carriers``: whole matmuls, linear in their input): where sums of two rowwise matmuls
+    meet, one all-reduce serves both."""
+    reach, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in reach:
+            continue
+        reach.add(n)
+        users = list(n.users)
+        if all(u.op == "call_function" and _layer(u) == layer
+               and (u in carriers or u.target in _SUMS or is_view(u)) for u in users):
+            todo.extend(users)
+    return reach
+
+
+def root_of(node: fx.Node, layer: str, passing: set) -> fx.Node:
+    """The value ``node`` copies: followed back through views, picks, repeats and scalings by
+    computed values (a scaling by a stored tensor, a norm's gain, makes a new value), and
+    ``passing`` (whole down factors), within ``layer``."""
+    while node.op == "call_function" and _layer(node) == layer:
+        if node in passing:
+            node = next(a for a in node.all_input_nodes if stored_inputs(a) is None)
+        elif (is_view(node) or node.target in _COPIES) and isinstance(node.args[0], fx.Node) \
+                and not any(stored_inputs(a) is not None for a in node.all_input_nodes):
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def whole_read(layer: str, cols: list[Matmul], mms: list[Matmul],
+               trainable: frozenset) -> list[fx.Node]:
+    """Trainable tensors other than matmul weights that are read where ``cols``' cut features
+    flow (up to the next matmul) and have no dim of a cut size (``cols``' output features or
+    heads), so Megatron keeps them whole: a per-head q / k norm's weight. Their gradients
+    are partial sums. (A tensor with a cut size, a norm's gain over the cut features or
+    Mamba's per-channel ``A_log``, is cut with them; a size equal to both the heads and the
+    head dim is taken for the head dim.)"""
+    by_node = {m.node: m for m in mms}
+    features = {m.out_features for m in cols}
+    heads = {m.heads: m.out_features for m in cols if m.heads}
+
+    def cut(sizes: list) -> bool:  # a 1-D tensor of heads == head dim is taken for the latter
+        return bool(features & set(sizes)) or any(
+            h in sizes and (len(sizes) > 1 or h * h != f) for h, f in heads.items())
+
+    region, todo = set(), [u for c in cols for u in c.node.users]
+    while todo:
+        n = todo.pop()
+        if n in region or n in by_node or n.op != "call_function" or _layer(n) != layer:
+            continue
+        region.add(n)
+        todo.extend(n.users)
+    out = {}
+    for n in region:
+        for a in n.all_input_nodes:
+            found = stored_inputs(a)
+            for leaf in found[0] if found else ():
+                if leaf.target in trainable and not cut(_sizes(leaf)):
+                    out[leaf.target] = leaf
+    return list(out.values())
