@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from tpcompile.runtime.collectives import count_collectives
@@ -110,18 +111,24 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
     return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module), *kept)
 
 
+def _parameter_storages(module: nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters (a DTensor's: its local tensor's)."""
+    return {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            for p in module.parameters()}
+
+
 def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
     """Bytes autograd keeps for backward after one forward of ``module`` (parameters excluded).
 
     Each distinct storage is counted once; the backward is run too, so that only tensors it
-    really reads count (``saved_tensors_hooks`` sees every save).
+    really reads count (``saved_tensors_hooks`` sees every save). The parameters are read at
+    each save: under FSDP2 they are the gathered, unsharded tensors during the forward.
     """
-    params = {t.untyped_storage().data_ptr() for t in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in _parameter_storages(module):
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -129,3 +136,4 @@ def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
         out = module(*inputs)
     _first(out).float().sum().backward()
     return sum(seen.values())
+
