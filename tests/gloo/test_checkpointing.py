@@ -70,7 +70,7 @@ def _slow_unless(ws: int, name: str, ci: list[str]):
 
 
 VARIANTS = [_slow_unless(4, n, AT_4) for n in MESH] + \
-    [_slow_unless(2, n, []) for n in COMPILED]
+    [_slow_unless(ws, n, []) for ws in (2, 4) for n in COMPILED]
 
 
 @pytest.mark.parametrize("ws,name", _params(EAGER) + VARIANTS)
@@ -145,7 +145,7 @@ def _unsharded_checkpointed(results, ws: int, name: str) -> int:
 
 
 @pytest.mark.parametrize("ws,name", [_slow_unless(4, n, AT_4) for n in ("mlp:mesh", "mlp_full:mesh")]
-                         + [_slow_unless(2, "mlp:compiled", [])])
+                         + [_slow_unless(ws, "mlp:compiled", []) for ws in (2, 4)])
 def test_saved_activations_on_a_mesh_and_compiled(results, ws, name):
     """The MLP's bound at N ranks: 1.1 x the unsharded checkpointed model's (whole batch) / N
     + the block inputs a rank keeps whole (its dp share of the batch). Compiled: the tensors
