@@ -3,6 +3,7 @@
     python -m bench.memory                 # markdown table on stdout, JSON in bench/results/
     python -m bench.memory --world-sizes 1 2 --models llama
     python -m bench.memory --mesh          # TP x FSDP2 at 4 ranks: (dp, tp) in (1,4) (2,2) (4,1)
+    python -m bench.memory --checkpointing # none / full / selective at 1, 2, 4 ranks
 
 *Parameter memory*: bytes of this rank's ``tp.state_dict()`` (shards + replicated tensors).
 *Activation memory*: bytes of the tensors autograd saves for backward during one forward, the
@@ -26,6 +27,14 @@ activations shrink less than parameters; with it (``sequence_parallel=True``) th
 about the world size too. World size 1 has no SP column (there is nothing to shard).
 *Full checkpointing*: ``activation_checkpointing="full"``, every block recomputed in backward;
 what stays is each block's input (whole on every rank) and the layers outside the blocks.
+
+*Checkpointing* (``--checkpointing``): MLP and Llama with ``activation_checkpointing`` None,
+"full" and "selective" at each world size, against world size 1 with the same checkpointing:
+per rank the saved bytes (as above; "-" for "selective", whose kept outputs
+``saved_tensors_hooks`` do not see), the bytes still alive when the forward returns and the
+peak over forward and backward (``tpcompile.tools.numerics.activation_memory``: storages
+that ops allocate, parameters and inputs left out; gradients and the output included; the
+smaller of two runs), and the median time of a forward + backward.
 """
 
 from __future__ import annotations
@@ -33,13 +42,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
 
 import tpcompile
 from tpcompile.tools import models
-from tpcompile.tools.numerics import saved_activation_bytes
+from tpcompile.tools.numerics import activation_memory, saved_activation_bytes
 from tpcompile.tools.launch import run_on_ranks
 
 MODELS = ("mlp", "gpt2", "llama")
@@ -95,15 +106,20 @@ def _mesh_rank_main(rank: int, world_size: int, dp: int) -> dict:
             "full_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
+def _largest(per_rank: list[dict], fields) -> dict:
+    """Each field's largest value over the ranks (None where a rank has none)."""
+    values = {f: [r[f] for r in per_rank] for f in fields}
+    return {f: None if None in v else max(v) for f, v in values.items()}
+
+
 def measure_meshes(world_size: int = 4) -> list[dict]:
     rows = []
     for dp, tp_size in MESHES:
         per_rank = run_on_ranks(f"{__file__}:_mesh_rank_main", world_size, dp)
         full = per_rank[0]["full_param_bytes"]
-        row = {"dp": dp, "tp": tp_size, "ideal_param_bytes": full / world_size}
-        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
-            row[f"max_{key}"] = max(r[key] for r in per_rank)
-        rows.append(row)
+        largest = _largest(per_rank, ("param_bytes", "grad_bytes", "optim_bytes"))
+        rows.append({"dp": dp, "tp": tp_size, "ideal_param_bytes": full / world_size,
+                     **{f"max_{key}": value for key, value in largest.items()}})
     return rows
 
 
@@ -116,6 +132,64 @@ def mesh_markdown(rows: list[dict]) -> str:
         lines.append(f"| ({r['dp']}, {r['tp']}) | {_mib(r['max_param_bytes'])} | "
                      f"{_mib(r['max_grad_bytes'])} | {_mib(r['max_optim_bytes'])} | "
                      f"{_mib(ideal)} / {_mib(2 * ideal)} | {r['max_param_bytes'] / ideal - 1:.1%} |")
+    return "\n".join(lines)
+
+
+CHECKPOINTING = (None, "full", "selective")
+
+
+def _step_ms(tp, inputs, repeats: int = 5) -> float:
+    """Median milliseconds of a forward + backward."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tp(*inputs).float().sum().backward()
+        times.append(time.perf_counter() - start)
+    tp.zero_grad()
+    return 1e3 * statistics.median(times)
+
+
+def _checkpointing_rank_main(rank: int, world_size: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        model = models.build(name, **CONFIG)
+        inputs = models.example_inputs(model, BATCH, SEQ)
+        for mode in CHECKPOINTING:
+            tp = tpcompile.parallelize(model, inputs, activation_checkpointing=mode)
+            # the smaller of two runs: a gloo collective's buffer was once seen alive after its
+            # wait (one rank, one row of 18), inflating "held" by that buffer
+            held, peak = map(min, zip(*(activation_memory(tp, inputs) for _ in range(2))))
+            out[f"{name}:{mode}"] = {
+                "saved": None if mode == "selective" else saved_activation_bytes(tp, inputs),
+                "held": held, "peak": peak, "step_ms": _step_ms(tp, inputs)}
+    return out
+
+
+def measure_checkpointing(world_sizes, names) -> list[dict]:
+    """One row per model, checkpointing and world size: the largest rank's figures."""
+    rows = []
+    for ws in world_sizes:
+        per_rank = run_on_ranks(f"{__file__}:_checkpointing_rank_main", ws, list(names))
+        for key in per_rank[0]:
+            name, _, mode = key.partition(":")
+            largest = _largest([r[key] for r in per_rank], ("saved", "held", "peak", "step_ms"))
+            rows.append({"model": name, "checkpointing": mode, "world_size": ws, **largest})
+    return rows
+
+
+def checkpointing_markdown(rows: list[dict]) -> str:
+    lines = ["| model | checkpointing | ranks | saved (MiB) | held (MiB) "
+             "| ranks 1 held / ranks (MiB) | held over that | peak (MiB) | forward + backward (ms) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    unsharded = {(r["model"], r["checkpointing"]): r["held"] for r in rows if r["world_size"] == 1}
+    for r in rows:
+        share = unsharded.get((r["model"], r["checkpointing"]))
+        share = None if share is None else share / r["world_size"]
+        over = "" if share is None else f"{r['held'] / share:.2f}x"
+        mode = "none" if r["checkpointing"] == "None" else r["checkpointing"]
+        lines.append(f"| {r['model']} | {mode} | {r['world_size']} | {_mib(r['saved'])} "
+                     f"| {_mib(r['held'])} | {_mib(share)} | {over} | {_mib(r['peak'])} "
+                     f"| {r['step_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -212,6 +286,16 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _write(stem: str, payload: dict, table: str, header: str = "") -> None:
+    """``bench/results/<stem>.json`` and ``.md``, and the table on stdout."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    (RESULTS / f"{stem}.md").write_text(table + "\n")
+    if header:
+        print(header + "\n")
+    print(table)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
@@ -220,33 +304,27 @@ def main(argv=None) -> None:
                         help="parameter bytes against the ideal, from plans (no process group)")
     parser.add_argument("--mesh", action="store_true",
                         help="parameter, gradient, optimizer bytes at 4 ranks as (dp, tp) meshes")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activations and step time with checkpointing none / full / selective"
+                             " (MLP and Llama)")
     args = parser.parse_args(argv)
-    if args.mesh:
-        rows = measure_meshes()
-        table = mesh_markdown(rows)
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "memory-mesh.json").write_text(json.dumps({"config": CONFIG, "rows": rows}, indent=1))
-        (RESULTS / "memory-mesh.md").write_text(table + "\n")
-        print(f"llama {CONFIG}, float32, AdamW, 4 ranks; the largest rank per row\n")
-        print(table)
-        return
-    if args.vs_ideal:
-        rows = ideal_matrix()
-        table = ideal_markdown(rows)
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "memory-ideal.json").write_text(json.dumps({"rows": rows}, indent=1))
-        (RESULTS / "memory-ideal.md").write_text(table + "\n")
-        print(table)
-        return
-    rows = measure(args.world_sizes, args.models)
-    table = markdown(rows)
-    RESULTS.mkdir(exist_ok=True)
     setup = {"config": CONFIG, "batch": BATCH, "seq": SEQ, "dtype": "float32",
              "torch": torch.__version__}
-    (RESULTS / "memory.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
-    (RESULTS / "memory.md").write_text(table + "\n")
-    print(f"batch {BATCH}, seq {SEQ}, config {CONFIG}, float32; the largest rank per row\n")
-    print(table)
+    if args.checkpointing:
+        rows = measure_checkpointing(args.world_sizes, [n for n in args.models if n != "gpt2"])
+        _write("memory-checkpointing", {"setup": setup, "rows": rows}, checkpointing_markdown(rows),
+               f"batch {BATCH}, seq {SEQ}, config {CONFIG}, float32; the largest rank per row")
+    elif args.mesh:
+        rows = measure_meshes()
+        _write("memory-mesh", {"config": CONFIG, "rows": rows}, mesh_markdown(rows),
+               f"llama {CONFIG}, float32, AdamW, 4 ranks; the largest rank per row")
+    elif args.vs_ideal:
+        rows = ideal_matrix()
+        _write("memory-ideal", {"rows": rows}, ideal_markdown(rows))
+    else:
+        rows = measure(args.world_sizes, args.models)
+        _write("memory", {"setup": setup, "rows": rows}, markdown(rows),
+               f"batch {BATCH}, seq {SEQ}, config {CONFIG}, float32; the largest rank per row")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,7 @@ class _Region:
         def checkpointed_region(*args):  # a plain function: FX's code refers to it as a global
             return checkpoint(body, *args, use_reentrant=False, **options)
 
+        checkpointed_region.body = body  # its ops: runtime.blocks reads which block they are in
         return checkpointed_region
 
 

@@ -7,6 +7,7 @@ and the bytes autograd saves for backward (``saved_activation_bytes``).
 
 from __future__ import annotations
 
+import copy
 import traceback
 import warnings
 
@@ -16,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tpcompile
 from tpcompile.tools import models
-from tpcompile.tools.numerics import compare, saved_activation_bytes
+from tpcompile.tools.numerics import compare, grad_errors, rel_err, saved_activation_bytes
 
 
 class CheckpointedLlama(models.Llama):
@@ -82,24 +83,81 @@ def hf_llama():
     return model.train()
 
 
-def _case(name: str) -> dict:
-    """``name``, or ``name:compiled`` run through torch.compile(fullgraph=True)."""
-    name, _, compiled = name.partition(":")
-    model, inputs, options = _model(name)
+def _parallelized(model, inputs, **options):
+    """``(parallelize(model, inputs, **options), the tpcompile warnings it gave)``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tp = tpcompile.parallelize(model, inputs, **options)
-    if compiled:
-        tp = torch.compile(tp, fullgraph=True, options=tpcompile.compile_options())
-    result = compare(model, tp, inputs)
+    return tp, [str(w.message) for w in caught if "tpcompile" in str(w.message)]
+
+
+def _case(name: str) -> dict:
+    """``name``; ``name:compiled``: the TPModule through torch.compile(fullgraph=True);
+    ``name:backend``: the model through torch.compile(backend="tpcompile"); ``name:mesh``:
+    on a (dp 2, tp 2) mesh with FSDP2 (:func:`_mesh_case`)."""
+    name, _, variant = name.partition(":")
+    if variant == "mesh":
+        return _mesh_case(name)
+    model, inputs, options = _model(name)
+    if variant == "backend":
+        step, tp, warned = _by_backend(model, inputs)
+    else:
+        tp, warned = _parallelized(model, inputs, **options)
+        step = torch.compile(tp, fullgraph=True, options=tpcompile.compile_options()) \
+            if variant == "compiled" else tp
+    result = compare(model, step, inputs)
     return {"output_err": result.output_err, "grad_errs": result.grad_errs,
-            "regions": tp.checkpointed_regions,
-            "warnings": [str(w.message) for w in caught if "tpcompile" in str(w.message)],
-            "saved": saved_activation_bytes(tp, inputs),
+            "regions": tp.checkpointed_regions, "warnings": warned,
+            # compiled: the tensors the compiled forward hands its backward (the partitioned
+            # backward graph's saved inputs), which saved_tensors_hooks see
+            "saved": saved_activation_bytes(step, inputs),
             "saved_unsharded": saved_activation_bytes(model, inputs),
             # eager only: a compiled backward runs higher-order ops the counter cannot see into
-            "backward_ops": None if compiled else backward_ops(tp, inputs),
+            "backward_ops": backward_ops(tp, inputs) if variant == "" else None,
             "block_inputs": _block_input_bytes(model, inputs)}
+
+
+def _by_backend(model, inputs):
+    """``(compiled step, its TPModule, warnings)`` of torch.compile(copy of model,
+    backend="tpcompile") after its first call (which parallelizes)."""
+    from support import workers
+
+    compiled = copy.deepcopy(model)
+    step = torch.compile(compiled, backend="tpcompile")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(*inputs)
+    compiled.zero_grad()
+    tp = tpcompile.parallelized(compiled)
+    return workers.BackendView(step, compiled), tp, [
+        str(w.message) for w in caught if "tpcompile" in str(w.message)]
+
+
+def _mesh_case(name: str) -> dict:
+    """``name`` on a (dp 2, tp 2) mesh: tensor parallel over "tp", then FSDP2 on each block
+    and the root over "dp" (``fully_shard_blocks``); each dp rank runs half the batch. FSDP2
+    averages the dp ranks' gradients, so the reference's loss is the mean of the halves'."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    k = mesh["dp"].get_local_rank()
+    model, inputs, options = _model(name)
+    inputs = models.example_inputs(model, batch=4, seq=inputs[0].shape[1])  # 2 per dp rank
+    reference = copy.deepcopy(model)
+    local = tuple(x.chunk(2)[k] for x in inputs)
+    tp, warned = _parallelized(model, local, mesh=mesh["tp"], **options)
+    tpcompile.fully_shard_blocks(tp, mesh["dp"])
+    want, got = reference(*inputs), tp(*local)
+    probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(1234))
+    (want * probe).sum().div(2).backward()
+    (got * probe.chunk(2)[k]).sum().backward()
+    grads = tp.full_grads()
+    return {"output_err": rel_err(got, want.chunk(2)[k]),
+            "grad_errs": grad_errors(grads, {n: p.grad for n, p in reference.named_parameters()}),
+            "regions": tp.checkpointed_regions, "warnings": warned,
+            "saved": saved_activation_bytes(tp, local),
+            "saved_unsharded": saved_activation_bytes(model, inputs),
+            "block_inputs": _block_input_bytes(model, local)}
 
 
 class _OpCounter(TorchDispatchMode):

@@ -153,14 +153,19 @@ def _into_unsharded(ckpt: str, state: dict) -> dict:
     return {"unequal": loaded, "losses": losses}
 
 
-def _mixed_precision() -> dict:
+def _mixed_precision(steps: int = STEPS) -> dict:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     tp, opt, mesh = two_d(2, 2, mp=mp)
     dtypes = sorted({str(p.dtype) for p in tp.parameters()})
     logits_dtype = str(tp(tokens(0).chunk(2)[0]).dtype)
-    losses, _ = train(tp, opt, mesh, range(STEPS))
+    losses, _ = train(tp, opt, mesh, range(steps))
     return {"losses": losses, "param_dtypes": dtypes, "logits_dtype": logits_dtype,
-            "bf16_reference": reference(bf16=True)[0]}
+            "bf16_reference": reference(range(steps), bf16=True)[0]}
+
+
+def mixed_precision(rank: int, world_size: int, steps: int) -> dict:
+    """Only the mixed-precision check, over ``steps`` steps (``test_mesh``'s slow variant)."""
+    return checked(_mixed_precision, steps)
 
 
 def fsdp_tp(rank: int, world_size: int, tmp: str) -> dict:

@@ -7,6 +7,8 @@ Face's ``gradient_checkpointing_enable``) and models parallelized with
 unsharded model's (float32, 1e-5 relative), every block is a checkpointed region, no
 warning, and the bytes autograd saves for backward per rank are what checkpointing leaves
 (the blocks' inputs, which every rank holds whole) rather than every activation of the blocks.
+The same eagerly on a (dp 2, tp 2) mesh with FSDP2 (``:mesh``) and compiled at 2 ranks
+(``:compiled``: the TPModule; ``:backend``: ``backend="tpcompile"``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ pytestmark = pytest.mark.dist
 BODIES = str(Path(__file__).parent / "checkpoint_workers.py")
 EAGER = ["llama", "llama_reentrant", "llama_full", "llama_selective", "mlp", "mlp_full",
          "mlp_selective", "mlp_plain", "hf"]
-AT_4 = ["mlp", "mlp_full", "mlp_plain"]  # the 4-rank case CI runs; the rest are slow
+# 4 ranks as a (dp 2, tp 2) mesh, FSDP2 over dp
+MESH = ["mlp:mesh", "mlp_full:mesh", "mlp_selective:mesh", "llama:mesh", "llama_full:mesh",
+        "llama_selective:mesh"]
+# 2 ranks: a compiled TPModule (fullgraph) or torch.compile(backend="tpcompile"); a graph
+# compiles in tens of seconds on 2 cores, so all slow
+COMPILED = ["llama_full:compiled", "llama_selective:compiled", "mlp:compiled", "llama:backend"]
+# the 4-rank cases CI runs, in a launch of their own; the rest are slow
+AT_4 = ["mlp", "mlp_full", "mlp_plain", "mlp:mesh", "mlp_full:mesh", "llama:mesh"]
 REGIONS = {"llama": 2, "llama_reentrant": 2, "llama_full": 2, "llama_selective": 2, "mlp": 4,
            "mlp_full": 4, "mlp_selective": 4, "mlp_plain": 0, "hf": 2}
 
@@ -39,8 +48,12 @@ def results():
 
 
 def _cases(results, ws: int, name: str) -> list:
-    """Every rank's result of ``name``: CI's 4-rank cases run in a launch of their own."""
-    names = AT_4 if ws == 4 and name in AT_4 else EAGER
+    """Every rank's result of ``name``: CI's 4-rank cases, the meshes and the compiled cases
+    run in launches of their own."""
+    if ws == 4 and name in AT_4:
+        names = AT_4
+    else:
+        names = next(group for group in (MESH, COMPILED, EAGER) if name in group)
     return cases({ws: results[(ws, tuple(names))]}, ws, name)
 
 
@@ -51,13 +64,22 @@ def _params(names):
     return out
 
 
-@pytest.mark.parametrize("ws,name", _params(EAGER))
+def _slow_unless(ws: int, name: str, ci: list[str]):
+    return pytest.param(ws, name, id=f"{ws}-{name}",
+                        marks=[] if name in ci else [pytest.mark.slow])
+
+
+VARIANTS = [_slow_unless(4, n, AT_4) for n in MESH] + \
+    [_slow_unless(ws, n, []) for ws in (2, 4) for n in COMPILED]
+
+
+@pytest.mark.parametrize("ws,name", _params(EAGER) + VARIANTS)
 def test_outputs_gradients_and_regions(results, ws, name):
     for c in _cases(results, ws, name):
         assert c["output_err"] <= 1e-5
         worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
-        assert len(c["regions"]) == REGIONS[name], c["regions"]
+        assert len(c["regions"]) == REGIONS[name.partition(":")[0]], c["regions"]
         assert c["warnings"] == []
 
 
@@ -112,3 +134,47 @@ def test_compiled_checkpointed_llama():
         # 2.13 keeps more inside the regions (2.11: 63,744 bytes against 45,440): still
         # checkpointed, not 1.1x
         assert c["saved"] <= COMPILED_SAVED_BOUND * c["saved_unsharded"]
+
+
+def _unsharded_checkpointed(results, ws: int, name: str) -> int:
+    """Saved bytes of the unsharded model that checkpoints its blocks itself, eager, on the
+    batch of case ``name`` (a mesh's is twice the others')."""
+    model = name.partition(":")[0].partition("_")[0]  # "mlp", "llama"
+    reference = f"{model}:mesh" if name.endswith(":mesh") else model
+    return _cases(results, ws, reference)[0]["saved_unsharded"]
+
+
+@pytest.mark.parametrize("ws,name", [_slow_unless(4, n, AT_4) for n in ("mlp:mesh", "mlp_full:mesh")]
+                         + [_slow_unless(ws, "mlp:compiled", []) for ws in (2, 4)])
+def test_saved_activations_on_a_mesh_and_compiled(results, ws, name):
+    """The MLP's bound at N ranks: 1.1 x the unsharded checkpointed model's (whole batch) / N
+    + the block inputs a rank keeps whole (its dp share of the batch). Compiled: the tensors
+    the compiled forward hands its backward."""
+    for c in _cases(results, ws, name):
+        reference = _unsharded_checkpointed(results, ws, name)
+        assert c["saved"] <= 1.1 * reference / ws + c["block_inputs"], (c["saved"], reference)
+
+
+@pytest.mark.parametrize("ws,name", [_slow_unless(4, "llama:mesh", AT_4),
+                                     _slow_unless(4, "llama_full:mesh", AT_4),
+                                     _slow_unless(2, "llama_full:compiled", []),
+                                     _slow_unless(2, "llama:backend", [])])
+def test_saved_activations_of_llama_on_a_mesh_and_compiled(results, ws, name):
+    """Llama without sequence parallelism: tensor parallelism keeps the block inputs, the
+    final norm and the head's input whole, so only data parallelism divides them: per rank at
+    most 1.1 x the unsharded checkpointed model's (whole batch) / dp."""
+    dp = 2 if name.endswith(":mesh") else 1
+    for c in _cases(results, ws, name):
+        reference = _unsharded_checkpointed(results, ws, name)
+        assert c["saved"] <= 1.1 * reference / dp, (c["saved"], reference)
+
+
+@pytest.mark.slow
+def test_compiled_selective_saves_the_matmul_outputs(results):
+    """Under torch.compile the partitioned backward's inputs show what "selective" keeps
+    (eager, torch holds it out of saved_tensors_hooks' sight): more than "full" (the matmul,
+    attention and collective outputs) and less than the unsharded model without
+    checkpointing."""
+    full, selective = (_cases(results, 2, f"llama_{m}:compiled") for m in ("full", "selective"))
+    for f, s in zip(full, selective):
+        assert f["saved"] < s["saved"] < s["saved_unsharded"], (f["saved"], s["saved"])

@@ -3,6 +3,8 @@ region that cannot be outlined named in a warning (no process group needed)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import fx, nn
@@ -119,3 +121,37 @@ def test_explain_lists_the_checkpointed_regions():
     assert plain.checkpointing["kept"] == ["layers.0", "layers.1"]
     assert "activation checkpointing" not in str(tpcompile.explain(
         Plain(False), (torch.randn(2, 4, 8),), world_size=2))
+
+
+class TwoLinears(nn.Module):
+    def __init__(self, d: int, h: int, selective: bool = False):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h, bias=False), nn.Linear(h, 1, bias=False)
+        self.selective = selective
+
+    def body(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+    def forward(self, x):
+        if not self.selective:
+            return self.body(x)
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        keep_matmuls = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+        return checkpoint(self.body, x, use_reentrant=False, context_fn=keep_matmuls)
+
+
+def test_activation_memory_sees_what_backward_holds():
+    """Held after the forward: relu's output (the second matmul's saved input) and the output;
+    a selective checkpoint keeping the matmuls holds their outputs in its own cache (which
+    saved_tensors_hooks do not see). The peak includes the gradients."""
+    from tpcompile.tools.numerics import activation_memory, saved_activation_bytes
+
+    n, d, h = 8, 16, 32
+    x = torch.randn(n, d)
+    plain, selective = TwoLinears(d, h), TwoLinears(d, h, selective=True)
+    held, peak = activation_memory(plain, (x,))
+    assert held == (n * h + n) * 4
+    assert peak >= held + (d * h + h) * 4
+    held, _ = activation_memory(selective, (x,))
+    assert held == (n * h + n) * 4  # the matmuls' outputs in its cache (down's is the output)
+    assert saved_activation_bytes(selective, (x,)) < held

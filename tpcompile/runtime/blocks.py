@@ -12,7 +12,11 @@ the plan, checkpoints and optimizer state are exactly those of the flat module.
 A node belongs to a block when its ``nn_module_stack`` (kept by torch.export) names a module
 inside the block; a node the rewrite inserted (a collective, with no stack) belongs to the
 block its neighbours on both sides belong to. A block's nodes must form one contiguous run of
-the graph: otherwise it is reported, never reordered.
+the graph: otherwise it is reported, never reordered. An activation-checkpointed region
+(``parallelize(..., activation_checkpointing=...)`` or the model's own checkpoint calls) is one
+call in the graph and belongs to the block its ops ran in, so it runs, recomputation included,
+inside the block's forward; FSDP2 gathers the block's parameters again before the backward
+that recomputes it.
 """
 
 from __future__ import annotations
@@ -27,10 +31,25 @@ from tpcompile.errors import TPCompileError
 __all__ = ["outline_blocks", "fully_shard_blocks", "repeated_block_paths"]
 
 
+def _owner(node: fx.Node, paths: list[str]) -> str | None:
+    """The block ``node`` runs in; a checkpointed region's call (its target carries the
+    region's ``body``, :mod:`passes.rewrite.checkpoint_regions`) runs in the one block all of
+    its ops run in, and belongs to none when they span several."""
+    body = getattr(node.target, "body", None)
+    if not isinstance(body, fx.GraphModule):
+        return block_of(node, paths)
+    owners = {block_of(n, paths) for n in body.graph.nodes if n.op == "call_function"}
+    owners.discard(None)
+    return owners.pop() if len(owners) == 1 else None
+
+
 def _runs(graph: fx.Graph, paths: list[str]) -> dict[str, list[fx.Node]]:
-    """block path -> its nodes in graph order (computations only; get_attr handled apart)."""
-    compute = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    owner = [block_of(n, paths) for n in compute]
+    """block path -> its nodes in graph order (computations only; get_attr handled apart).
+    The graph's one ``call_module``, export's ``_guards_fn`` input check, stays in the root
+    even where export gave it the first block's module stack (a model whose first op is in a
+    block)."""
+    compute = [n for n in graph.nodes if n.op in ("call_function", "call_method")]
+    owner = [_owner(n, paths) for n in compute]
     for i, o in enumerate(owner):  # inserted nodes: the block around them
         if o is None:
             before = next((owner[j] for j in range(i - 1, -1, -1) if owner[j]), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.tensor import DTensor
 
 from tpcompile.errors import TPCompileError
 from tpcompile.runtime.calls import CallCheck
@@ -181,13 +182,20 @@ class TPModule(nn.Module):
         return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Unsharded gradients of every parameter (a collective: call on all ranks)."""
-        return {name: gather_full(p.grad, self._placement(name), self.plan, self.group)
+        """Unsharded gradients of every parameter (a collective: call on all ranks). After
+        FSDP2 (``fully_shard_blocks``) a gradient is a DTensor over the data-parallel mesh:
+        it is gathered over that mesh first, then over the tensor-parallel group."""
+        return {name: gather_full(_local(p.grad), self._placement(name), self.plan, self.group)
                 for name, p in self.named_parameters() if p.grad is not None}
 
     def _placement(self, fqn: str):
         entry = self.plan.by_fqn.get(fqn)
         return None if entry is None else entry.placement
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel shard: a DTensor (FSDP2's) gathered over its own mesh."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group,

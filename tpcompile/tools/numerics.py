@@ -12,11 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tpcompile.runtime.collectives import count_collectives
 
-__all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_bytes"]
+__all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_bytes",
+           "activation_memory"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -110,18 +114,24 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
     return Comparison(out_err, grad_errs, step_errs, count_collectives(tp.graph_module), *kept)
 
 
+def _parameter_storages(module: nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters (a DTensor's: its local tensor's)."""
+    return {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            for p in module.parameters()}
+
+
 def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
     """Bytes autograd keeps for backward after one forward of ``module`` (parameters excluded).
 
     Each distinct storage is counted once; the backward is run too, so that only tensors it
-    really reads count (``saved_tensors_hooks`` sees every save).
+    really reads count (``saved_tensors_hooks`` sees every save). The parameters are read at
+    each save: under FSDP2 they are the gathered, unsharded tensors during the forward.
     """
-    params = {t.untyped_storage().data_ptr() for t in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in _parameter_storages(module):
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -129,3 +139,47 @@ def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
         out = module(*inputs)
     _first(out).float().sum().backward()
     return sum(seen.values())
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the storages ops allocate while the mode is on that are still alive, and
+    their peak. Storages in ``exclude`` (parameters, inputs) and their views are left out."""
+
+    def __init__(self, exclude: set[int]):
+        super().__init__()
+        self.exclude, self.live, self.peak = exclude, {}, 0
+
+    def now(self) -> int:
+        self.live = {p: (ref, n) for p, (ref, n) in self.live.items() if not ref.expired()}
+        return sum(n for _, n in self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.now()  # a freed storage's address may come back: forget it first
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.exclude | self.live.keys():
+                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+def activation_memory(module: nn.Module, inputs: tuple) -> tuple[int, int]:
+    """``(held, peak)`` bytes of the tensors ops allocate in one forward and backward of
+    ``module`` (parameters and inputs left out).
+
+    *held*: still alive when the forward returns: what autograd saves for backward, what a
+    selective checkpoint keeps in its own cache (which :func:`saved_activation_bytes` cannot
+    see), and the output. *peak*: the most alive at once over the forward and the backward,
+    temporaries, recomputations and the gradients included. Tracks storages through a
+    ``TorchDispatchMode``, so it works on CPU, where no allocator reports a peak.
+    """
+    module.zero_grad(set_to_none=True)  # the gradients are allocated, and counted, anew
+    exclude = _parameter_storages(module) | {t.untyped_storage().data_ptr()
+                                             for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    with _LiveBytes(exclude) as mode:
+        out = module(*inputs)
+        held = mode.now()
+        _first(out).float().sum().backward()
+    return held, mode.peak
