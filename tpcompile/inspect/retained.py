@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpcompile.passes import pipeline
 
-__all__ = ["retained_bytes", "graph_retained_bytes"]
+__all__ = ["LiveStorages", "storage_keys", "retained_bytes", "graph_retained_bytes"]
 
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -42,21 +42,35 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-class _Outputs(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op returns, by storage."""
+class LiveStorages(TorchDispatchMode):
+    """While on: every storage an op returns, held weakly by its key (views share it), the
+    bytes of those still alive (:meth:`alive`) and their most at once (``peak``). Storages in
+    ``skip`` (parameters, inputs: memory counted elsewhere) are left out."""
 
-    def __init__(self):
+    def __init__(self, skip: set[int] = frozenset()):
         super().__init__()
-        self.storages: dict[int, weakref.ref] = {}
+        self.skip, self.storages, self.peak = set(skip), {}, 0
+
+    def alive(self) -> int:
+        self.storages = {k: ref for k, ref in self.storages.items() if ref() is not None}
+        return sum(ref().nbytes() for ref in self.storages.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _WAIT and args[0].device.type == "meta":
             return args[0]  # see the module docstring
         out = func(*args, **(kwargs or {}))
+        self.alive()  # a freed storage's key may come back: forget it first
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not _is_wrapper(t):
-                self.storages[_key(t)] = weakref.ref(t.untyped_storage())
+            if isinstance(t, torch.Tensor) and not _is_wrapper(t) and _key(t) not in self.skip:
+                self.storages.setdefault(_key(t), weakref.ref(t.untyped_storage()))
+        self.peak = max(self.peak, self.alive())
         return out
+
+
+def storage_keys(tensors) -> set[int]:
+    """The keys :class:`LiveStorages` skips for ``tensors`` (a DTensor's: its local tensor's)."""
+    return {_key(t.to_local() if hasattr(t, "to_local") else t)
+            for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def _is_wrapper(t: torch.Tensor) -> bool:
@@ -68,14 +82,9 @@ def retained_bytes(forward: Callable[[], object], held: list[torch.Tensor]) -> i
     """Bytes of the storages ``forward()``'s ops created that are alive once it returns (its
     result kept alive meanwhile), leaving out those of ``held`` (parameters, buffers,
     inputs: memory the caller counts elsewhere)."""
-    skip = {_key(t) for t in held}
-    with _Outputs() as mode:
+    with LiveStorages(storage_keys(held)) as mode:
         result = forward()
-    total = 0
-    for key, ref in mode.storages.items():
-        storage = ref()
-        if storage is not None and key not in skip:
-            total += storage.nbytes()
+    total = mode.alive()
     del result
     return total
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tpcompile.inspect.retained import LiveStorages, storage_keys
 from tpcompile.runtime.collectives import count_collectives
 
 __all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_bytes",
@@ -141,30 +140,6 @@ def saved_activation_bytes(module: nn.Module, inputs: tuple) -> int:
     return sum(seen.values())
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of the storages ops allocate while the mode is on that are still alive, and
-    their peak. Storages in ``exclude`` (parameters, inputs) and their views are left out."""
-
-    def __init__(self, exclude: set[int]):
-        super().__init__()
-        self.exclude, self.live, self.peak = exclude, {}, 0
-
-    def now(self) -> int:
-        self.live = {p: (ref, n) for p, (ref, n) in self.live.items() if not ref.expired()}
-        return sum(n for _, n in self.live.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.now()  # a freed storage's address may come back: forget it first
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in self.exclude | self.live.keys():
-                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        self.peak = max(self.peak, self.now())
-        return out
-
-
 def activation_memory(module: nn.Module, inputs: tuple) -> tuple[int, int]:
     """``(held, peak)`` bytes of the tensors ops allocate in one forward and backward of
     ``module`` (parameters and inputs left out).
@@ -173,13 +148,13 @@ def activation_memory(module: nn.Module, inputs: tuple) -> tuple[int, int]:
     selective checkpoint keeps in its own cache (which :func:`saved_activation_bytes` cannot
     see), and the output. *peak*: the most alive at once over the forward and the backward,
     temporaries, recomputations and the gradients included. Tracks storages through a
-    ``TorchDispatchMode``, so it works on CPU, where no allocator reports a peak.
+    ``TorchDispatchMode`` (:class:`~tpcompile.inspect.retained.LiveStorages`, which
+    ``advise`` estimates with too), so it works on CPU, where no allocator reports a peak.
     """
     module.zero_grad(set_to_none=True)  # the gradients are allocated, and counted, anew
-    exclude = _parameter_storages(module) | {t.untyped_storage().data_ptr()
-                                             for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-    with _LiveBytes(exclude) as mode:
+    skip = storage_keys([*module.parameters(), *tree_leaves(inputs)])
+    with LiveStorages(skip) as mode:
         out = module(*inputs)
-        held = mode.now()
+        held = mode.alive()
         _first(out).float().sum().backward()
     return held, mode.peak
