@@ -27,9 +27,9 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
 * Backward: one all-reduce per distinct activation entering the colwise matmuls, followed back
   through views, index picks, repeats and scalings to the value they copy (q, k and v: one;
   every expert's picked tokens: one), of that value's bytes; one for the statistics'
-  gradients; and one bucket for the gradients of whole non-matmul weights read where
-  features are cut (a per-head q / k norm's weight: Megatron all-reduces such gradients).
-  Whole matmuls (KV projections, routers) read the block's activation: their gradients join
+  gradients. Whole non-matmul weights read where features are cut (a per-head q / k norm's
+  weight) have partial gradients that ride in the sync of the colwise input they are read
+  after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read the block's activation: their gradients join
   its all-reduce.
 * Ideal parameter bytes per rank: the split weights' bytes / N plus the whole ones'.
 
@@ -105,7 +105,7 @@ def _roles(mms: list[Matmul], world_size: int, layer: str) -> tuple[dict, dict]:
         if m.up is not None:  # reduced before its up factor, which starts a chain (Mamba's
             role[m.up] = "colwise"  # x_proj -> dt_proj)
     for m in mms:  # a colwise cut that reaches no rowwise matmul, or does not divide
-        if role.get(m.node) != "colwise" or m.up_of is not None:
+        if role.get(m.node) != "colwise":
             continue
         if not any(role.get(d) == "rowwise" or (role.get(d) == "whole" and _is_up_of_row(d, mms, role))
                    for d in m.downstream):
@@ -148,8 +148,10 @@ def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int, set]:
 
 
 def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> BlockBound:
-    """Forward groups and statistics; backward activations, statistics' gradients and one
-    bucket for the whole weights read where features are cut."""
+    """Forward groups and statistics; backward activations and statistics' gradients. The
+    whole weights read where features are cut add bytes, not an all-reduce: they are read
+    after a colwise matmul, so their partial gradients ride in that matmul's input sync (an
+    all-reduce of their own only in a block with no colwise input to sync)."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
     passing = {m.node for m in mms if role.get(m.node) == "whole" and m.up is not None}
     cols = [m for m in mms if role.get(m.node) == "colwise"]
@@ -157,7 +159,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> B
     stats = {s for m in cols for s in m.statistics}
     whole = whole_read(layer, cols, mms, trainable)
     sizes = {n: value_bytes(n) for n in roots | stats}
-    return BlockBound(layer, forward + len(stats), len(roots) + bool(stats) + bool(whole),
+    return BlockBound(layer, forward + len(stats), len(roots) + bool(stats) + bool(whole and not roots),
                       forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
                       + sum(value_bytes(w) for w in whole), tuple(sorted({w.target for w in whole})),
                       {"forward": tuple(sorted(n.name for n in partial | stats)),

@@ -132,7 +132,8 @@ def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
 
 def _heads(m: Matmul) -> int | None:
     """The heads ``m``'s output is viewed as: a view whose trailing dims (heads, head_dim)
-    multiply to the output features; None when it is never viewed so."""
+    multiply to the output features, reached through views and same-shape sums and scalings
+    (a LoRA factor's output added to its base's, a cast); None when it is never viewed so."""
     todo = [m.node]
     while todo:
         n = todo.pop()
@@ -140,7 +141,8 @@ def _heads(m: Matmul) -> int | None:
         for k in range(len(dims) - 2, 0, -1):
             if None not in dims[k:] and math.prod(dims[k:]) == m.out_features:
                 return dims[-2]
-        todo.extend(u for u in n.users if is_view(u))
+        todo.extend(u for u in n.users if is_view(u) or (
+            u.target in _SUMS | {aten.to.dtype} and _sizes(u) == dims))
     return None
 
 

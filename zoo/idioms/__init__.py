@@ -165,11 +165,10 @@ _REGISTRY = [
     ("qk_normalize_per_head", lambda: LM(attn=NormalizedQK),
      attention_expect(replicated=BASELINE.replicated + _in_layers("attn.sqk"))),
     # the per-head norms' weights are whole on every rank (as Megatron's q / k layernorms):
-    # their gradients are all-reduced once (backward +1)
+    # their partial gradients ride in the attention input's all-reduce
     ("qk_norm_autocast_off", lambda: LM(attn=FullPrecisionQKNorm),
      attention_expect(replicated=BASELINE.replicated + _in_layers("attn.q_norm.weight",
-                                                                  "attn.k_norm.weight"),
-                      bwd_allreduce_per_layer=3)),
+                                                                  "attn.k_norm.weight"))),
     # channels cut from in_proj through the conv, the scan and D to out_proj; x_proj's (dt, B, C)
     # are a partial sum over channels, all-reduced once (forward), as is their gradient
     ("mamba_selective_scan", lambda: LM(attn=SelectiveScan),
