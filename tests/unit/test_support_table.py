@@ -22,6 +22,7 @@ import pytest
 
 import tpcompile
 from tpcompile.tools import models
+from zoo import lora_models
 from zoo.hf_models import hf_inputs, hf_model
 
 
@@ -50,6 +51,18 @@ def _hf(name, labels=False):
     return build
 
 
+def _lora(name):
+    """A LoRA (or frozen) case of tests/gloo/test_lora.py: peft on the tiny HF Llama."""
+    def build():
+        pytest.importorskip("peft")
+        if name == "frozen":
+            model = lora_models.hf_llama().requires_grad_(False)
+            return (model, *lora_models.hf_inputs(model))
+        return lora_models.build(name)[:3]
+    build.case = name
+    return build
+
+
 SP, VOCAB = {"sequence_parallel": True}, {"vocab_parallel": True, "loss_parallel": True}
 ROWS = [  # family, build, options, where its outputs and gradients are tested on gloo ranks
     ("MLP: Linear-GELU-Linear blocks", _builtin("mlp"), {}, "test_numerics"),
@@ -62,6 +75,8 @@ ROWS = [  # family, build, options, where its outputs and gradients are tested o
     ("HF LlamaForCausalLM: multi-query 8/1", _hf("llama_mqa"), {}, "test_hf_models"),
     ("HF GPT2LMHeadModel: Conv1D, fused c_attn", _hf("gpt2"), {}, "test_hf_models"),
     ("HF BertForMaskedLM: encoder, padding mask", _hf("bert"), {}, "test_hf_models"),
+    ("HF LlamaForCausalLM, frozen: `requires_grad_(False)`", _lora("frozen"), {}, "test_lora"),
+    ("HF LlamaForCausalLM + peft LoRA on every linear", _lora("peft_all"), {}, "test_lora"),
 ]
 
 
@@ -147,7 +162,10 @@ def test_every_row_runs_at_2_and_4_ranks_in_ci():
     """The README says each row's outputs and gradients are compared on 2- and 4-rank groups
     in the named file: for Hugging Face rows, CI's 4-rank set must hold the row's case."""
     pytest.importorskip("transformers")
-    from gloo.test_hf_models import AT_4_IN_CI
+    pytest.importorskip("peft")
+    from gloo import test_hf_models, test_lora
+    in_ci = {"test_hf_models": lambda case: case in test_hf_models.AT_4_IN_CI,
+             "test_lora": lambda case: all(case in test_lora.IN_CI[ws] for ws in (2, 4))}
     for family, build, _, test in ROWS:
-        if test == "test_hf_models":
-            assert build.case in AT_4_IN_CI, family
+        if test in in_ci:
+            assert in_ci[test](build.case), family
