@@ -112,8 +112,9 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     layer's input is synced). The readers that ran between one value and the next move after
     the last (they only depend on earlier nodes), so the bucket exists before its first reader."""
     blocks, buckets, last = repeated_block_paths(gm), [], None
+    position = _positions([nodes[v] for v in plan.grad_syncs], blocks, order)
     synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
-                    key=lambda item: _position(item[0], plan, nodes, blocks, order))
+                    key=lambda item: position[item[0]])
     for value, users in synced:
         key = block_of(value, blocks)
         if (last is not None and (last[0] is None or key == last[0])
@@ -128,17 +129,22 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     return buckets
 
 
-def _position(value: fx.Node, plan: ShardingPlan, nodes: dict, blocks, order: dict) -> float:
-    """Where ``value`` sorts among the synced values: a weight (a ``get_attr``, read by nothing
-    its block computes before) at the head of its block's, so its gradient joins the block's
+def _positions(synced: list, blocks, order: dict) -> dict:
+    """Where each synced value sorts: a weight (a ``get_attr``, read by nothing its block
+    computes before) at the head of its block's values, so its gradient joins the block's
     first bucket (a LoRA B factor on a row-parallel linear, whose gradient is partial) instead
     of sitting where export put the weights, before every block: one all-reduce fewer each."""
-    if value.op != "get_attr":
-        return order[value]
-    key = block_of(value, blocks)
-    heads = [order[nodes[v]] for v in plan.grad_syncs
-             if nodes[v].op != "get_attr" and block_of(nodes[v], blocks) == key]
-    return min(heads) - 0.5 if key is not None and heads else order[value]
+    heads: dict = {}
+    for v in synced:
+        if v.op != "get_attr":
+            key = block_of(v, blocks)
+            heads[key] = min(heads.get(key, order[v]), order[v])
+    heads.pop(None, None)  # outside the blocks, a weight sorts where it is
+    out = {}
+    for v in synced:
+        key = block_of(v, blocks) if v.op == "get_attr" else None
+        out[v] = heads[key] - 0.5 if key in heads else order[v]
+    return out
 
 
 def _early_readers(bucket: list, anchor: fx.Node, order: dict) -> list[fx.Node]:

@@ -41,7 +41,7 @@ from tpcompile.core.capture_checks import (
 )
 from tpcompile.errors import CaptureError
 
-__all__ = ["Capture", "capture", "param_aliases"]
+__all__ = ["Capture", "capture", "param_aliases", "concrete_shape"]
 
 
 @dataclass
@@ -307,6 +307,18 @@ def set_tensor(root: nn.Module, fqn: str, value) -> None:
         mod._buffers[leaf] = value
     else:
         setattr(mod, leaf, value)
+
+
+def concrete_shape(value) -> list:
+    """A tensor's shape with symbolic sizes replaced by the example inputs' sizes (a size
+    with no example value stays symbolic, as its text)."""
+    out = []
+    for s in value.shape:
+        if isinstance(s, torch.SymInt):
+            hint = s.node.hint
+            s = int(hint) if hint is not None else str(s)
+        out.append(int(s) if isinstance(s, int) else s)
+    return out
 
 
 def module_path(node: fx.Node) -> str:

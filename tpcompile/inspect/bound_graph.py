@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from tpcompile.core.capture import Capture, module_path
+from tpcompile.core.capture import Capture, concrete_shape, module_path
 from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
@@ -59,7 +59,7 @@ def _sizes(node: fx.Node) -> list[int | None]:
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return [None]
-    return [s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+    return [s if isinstance(s, int) else None for s in concrete_shape(v)]
 
 
 def _numel(node: fx.Node) -> int | None:

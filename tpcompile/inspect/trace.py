@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from tpcompile.core.capture import Capture, module_path
+from tpcompile.core.capture import Capture, concrete_shape, module_path
 from tpcompile.inspect.bound import Bound, megatron_bound
 from tpcompile.inspect.chains import Chain, find_chains
 from tpcompile.errors import TPCompileError
@@ -97,17 +97,6 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
         if node.name in before and _literals(node) != before[node.name]:
             relocalized[node.name] = (before[node.name], _literals(node))
     return RewriteTrace(name, cap, plan, gm, rank, stages, relocalized, chains, chain_of, bound)
-
-
-def concrete_shape(value) -> list:
-    """A tensor's shape with symbolic sizes replaced by the example inputs' sizes."""
-    out = []
-    for s in value.shape:
-        if isinstance(s, torch.SymInt):
-            hint = s.node.hint
-            s = int(hint) if hint is not None else str(s)
-        out.append(int(s) if isinstance(s, int) else s)
-    return out
 
 
 def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
