@@ -69,16 +69,33 @@ def cases():
         yield name, model, x, case["world_size"], random_models.options(case["spec"])
 
 
-def main() -> None:
+def hf_cases():
+    """Every family of the transformers sweep at 2 ranks, built lazily (a build may fail)."""
+    for name in hf_sweep.families():
+        yield name, lambda name=name: hf_sweep.build(name), (hf_sweep.example_ids(),), 2, {}
+
+
+def probe(model, x, ws: int, options: dict) -> dict:
+    plan, entries, graphs = rewrite_ranks(model, x, ws, **options)
+    return {"plan": plan.to_json(), "codes": [gm.code for gm in graphs],
+            "digests": [digest(e) for e in entries]}
+
+
+def main(argv: list[str]) -> None:
     if os.environ.get("TPCOMPILE_PROBE_NODE_HASH"):
         shuffle_node_hashes(int(os.environ["TPCOMPILE_PROBE_NODE_HASH"]))
     out = {}
-    for name, model, x, ws, options in cases():
-        plan, entries, graphs = rewrite_ranks(model, x, ws, **options)
-        out[name] = {"plan": plan.to_json(), "codes": [gm.code for gm in graphs],
-                     "digests": [digest(e) for e in entries]}
+    if "--hf-all" in argv:
+        for name, build, x, ws, options in hf_cases():
+            try:
+                out[name] = probe(build(), x, ws, options)
+            except Exception as e:  # noqa: BLE001 - the error is the result, compared across runs
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    else:
+        for name, model, x, ws, options in cases():
+            out[name] = probe(model, x, ws, options)
     json.dump(out, sys.stdout)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
