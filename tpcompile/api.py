@@ -105,7 +105,7 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             shards (dim 1 of ``(batch, seq, features)`` activations); every all-reduce becomes
             a reduce-scatter and an all-gather. The sequence length is fixed to the example's.
         check_calls: when the ranks compare a call's inputs (shapes, dtypes, the values of
-            integer and boolean inputs) before its collectives: ``"new"`` the first call with
+            every input tensor) before its collectives: ``"new"`` the first call with
             each new signature, ``"every"`` every call (which also names a rank that skipped a
             call or a backward). See docs/guarantees.md.
         reuse_blocks: capture three of the model's identical blocks with torch.export and
