@@ -32,9 +32,9 @@ def _error(fn) -> str:
     return "no error"
 
 
-def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool) -> dict:
+def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool, plain_mask: bool) -> dict:
     torch.manual_seed(0)
-    model = CachedDecoder(kv_heads=kv_heads, seq_major=seq_major)
+    model = CachedDecoder(kv_heads=kv_heads, seq_major=seq_major, plain_mask=plain_mask)
     prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     tp = tpcompile.parallelize(model, (prompt, torch.arange(PROMPT)))
     want = greedy(model, prompt, NEW)

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.dist
 
 WORKERS = str(Path(__file__).parent / "generation_workers.py")
 LAYERS = 2
-# (kv heads, cache laid out (batch, seq, heads, dim) rather than (batch, heads, seq, dim));
-# 2 kv heads on 4 ranks: each rank stores the one kv head its query head reads
-CASES = {2: [(2, False), (2, True)], 4: [(2, False)]}
-SLOW_CASES = {4: [(4, True)]}
+# (kv heads, cache laid out (batch, seq, heads, dim) rather than (batch, heads, seq, dim),
+# causal mask a plain tensor attribute rather than a buffer); 2 kv heads on 4 ranks: each rank
+# stores the one kv head its query head reads
+CASES = {2: [(2, False, False), (2, True, True)], 4: [(2, False, True)]}
+SLOW_CASES = {4: [(4, True, False)]}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_greedy_tokens_equal_the_unsharded_model(results, ws):
 
 @pytest.mark.parametrize("ws", sorted(CASES))
 def test_cache_is_sharded_on_kv_heads(results, ws):
-    for (kv_heads, seq_major), c in _every(results, ws):
+    for (kv_heads, seq_major, _), c in _every(results, ws):
         head_dim = 2 if seq_major else 1
         for shape in c["caches"].values():
             full = list(c["full_cache"])
@@ -104,7 +105,7 @@ def test_litgpt_kv_cache_decoding(ws):
 @pytest.mark.slow
 def test_four_kv_heads_on_four_ranks_seq_major():
     results = {4: run_on_ranks(f"{WORKERS}:static_cache", 4, SLOW_CASES[4])}
-    for (kv_heads, _), c in _every(results, 4, SLOW_CASES):
+    for (kv_heads, _, _), c in _every(results, 4, SLOW_CASES):
         assert c["tokens"] == c["want"] == c["again"]
         assert all(shape[2] == kv_heads // 4 for shape in c["caches"].values())
         assert c["collectives"] == [{"all_reduce": 2 * LAYERS}] * 2
