@@ -90,10 +90,15 @@ def bind_constants(gm: fx.GraphModule, constants: dict[str, torch.Tensor], devic
             continue
         name = node.target[len(prefix):] if node.target.startswith(prefix) else node.target
         real = constants.get(name, constants.get(node.target))
-        if real is None or real.device.type == "meta":
+        if real is None:
             raise TPCompileError(
                 f"the capture of a new call signature reads the tensor attribute {name}, whose "
                 "value the module does not hold\n  hint: this is a tpcompile bug; please report it")
+        if real.device.type == "meta":  # as to_empty says of the first graph's constants
+            raise TPCompileError(
+                f"the capture of a new call signature reads the tensor constant {name}, created on "
+                "the meta device: its value was never computed; register it as a buffer in the "
+                "model instead")
         setattr(sub, leaf, real.to(device))
 
 
