@@ -27,7 +27,7 @@ from tpcompile.passes.rewrite.checkpoint_regions import MODES, OUTLINED
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
-from tpcompile.runtime.signatures import written_buffers
+from tpcompile.runtime.signatures import bind_constants, plain_tensors, written_buffers
 from tpcompile.runtime.timeouts import warn_if_unbounded
 
 __all__ = ["parallelize", "plan_model", "rewrite", "resolve_group"]
@@ -105,7 +105,7 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             shards (dim 1 of ``(batch, seq, features)`` activations); every all-reduce becomes
             a reduce-scatter and an all-gather. The sequence length is fixed to the example's.
         check_calls: when the ranks compare a call's inputs (shapes, dtypes, the values of
-            integer and boolean inputs) before its collectives: ``"new"`` the first call with
+            every input tensor) before its collectives: ``"new"`` the first call with
             each new signature, ``"every"`` every call (which also names a rank that skipped a
             call or a backward). See docs/guarantees.md.
         reuse_blocks: capture three of the model's identical blocks with torch.export and
@@ -205,9 +205,13 @@ class SignatureCapture:
     """
 
     def __init__(self, model: nn.Module, plan, rank: int, group_name: str):
+        # plain tensor attributes (a mask cache) are meta in the copy too, their values kept
+        # apart for each new graph (runtime.signatures.bind_constants)
+        self.constants = {name: t.detach().clone() for name, t in plain_tensors(model).items()}
         memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
                         if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-                for t in list(model.parameters()) + list(model.buffers())}
+                for t in list(model.parameters()) + list(model.buffers())
+                + list(plain_tensors(model).values())}
         self.skeleton = copy.deepcopy(model, memo)
         self.device = next(model.parameters(), torch.empty(0)).device
         self.plan, self.rank, self.group_name = plan, rank, group_name
@@ -234,6 +238,7 @@ class SignatureCapture:
                                 self.device)
         gm, _ = pipeline.rewrite(planned, self.rank, self.group_name, skip=("materialize_params",),
                                  device=device)
+        bind_constants(gm, self.constants, device, prefix)
         return gm, planned.plan
 
 

@@ -10,6 +10,7 @@ user reaches (``tpcompile demo``, ``tpcompile explain mlp``) are ``tpcompile.too
 - :mod:`zoo.catalogue_models`: bad or unusual inputs, one model per entry of docs/guarantees.md.
 - :mod:`zoo.random_models`: random transformer-like models from plain-data specs (property tests).
 - :mod:`zoo.cache_models`: decoders that own a static KV cache, as gpt-fast writes them.
+- :mod:`zoo.lit_cache_models`: a decoder owning its KV cache as litgpt does.
 - :mod:`zoo.lora_models`: LoRA adapters, hand-written and peft's.
 - :mod:`zoo.hf_models`: tiny random-init Hugging Face transformers models.
 """

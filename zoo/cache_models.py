@@ -76,15 +76,18 @@ class CachedDecoder(nn.Module):
     """``forward(idx (B, T), input_pos (T,)) -> logits (B, T, vocab)``, writing the cache."""
 
     def __init__(self, vocab=256, dim=64, heads=4, kv_heads=2, layers=2, batch=2, max_seq=32,
-                 seq_major=False):
+                 seq_major=False, plain_mask=False):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, kv_heads, batch, max_seq, seq_major)
                                     for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("causal", torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool)),
-                             persistent=False)
+        causal = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool))
+        if plain_mask:  # a plain tensor attribute, as gpt-fast's setup_caches keeps causal_mask
+            self.causal = causal
+        else:
+            self.register_buffer("causal", causal, persistent=False)
 
     def forward(self, idx, input_pos):
         x = self.tok(idx)  # no position table: the causal mask orders tokens

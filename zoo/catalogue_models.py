@@ -113,6 +113,32 @@ class CachesActivation(MLP):
         return self.fc2(F.gelu(self.last_hidden))
 
 
+class LazyTable(MLP):
+    """A table built on the first call (``if self.table is None``): refused, fixed by a call
+    before capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.linspace(0.5, 1.5, H)
+        return self.fc2(F.gelu(self.fc1(x)) * self.table)
+
+
+class RebindsItself(MLP):
+    """A plain tensor attribute rebound to a view of itself on every call: no state."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.linspace(0.5, 1.5, H)
+
+    def forward(self, x):
+        self.table = self.table[:]
+        return self.fc2(F.gelu(self.fc1(x)) * self.table)
+
+
 # ----------------------------------------------------------------- autograd Functions, ops
 
 class StraightThrough(torch.autograd.Function):

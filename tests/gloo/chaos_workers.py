@@ -90,12 +90,39 @@ def _case(rank, world_size, mode, name, timeout_s, model, reference):
     return out
 
 
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, features):
+        return self.down(torch.relu(self.up(features)))
+
+
+def _float_values(rank: int, world_size: int, mode: str) -> dict:
+    """A module of float features; the victim's features differ from the others' on the first
+    call ("new" compares it) and on a later call of an agreed description (``"every"``)."""
+    torch.manual_seed(0)
+    model = _MLP()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    mine = x + 1e-3 if rank == world_size - 1 else x
+    tp = tpcompile.parallelize(model, (x,), check_calls=mode)
+    with torch.no_grad():  # one description for every call (no "after a backward")
+        out = {"first": _timed(lambda: tp(mine))}
+        tp(x)  # an agreed call
+        out["later"] = _timed(lambda: tp(mine))
+        out["after"] = rel_err(tp(x), model(x))  # no model collective ran: the group works
+    return out
+
+
 def chaos(rank: int, world_size: int, modes: list[str], names: list[str], timeout_s: float) -> dict:
-    """{mode: {perturbation: outcome}}, then the victim exits ({"exit": ...} on the others)."""
+    """{mode: {perturbation: outcome}} and {"float_values": {mode: outcomes}}, then the victim
+    exits ({"exit": ...} on the others)."""
     torch.manual_seed(0)
     model = models.build("llama", **CONFIG)
     out = {mode: {name: _case(rank, world_size, mode, name, timeout_s, model, model)
                   for name in names} for mode in modes}
+    out["float_values"] = {mode: _float_values(rank, world_size, mode) for mode in modes}
     group = dist.new_group(timeout=timedelta(seconds=120))
     tp = tpcompile.parallelize(model, (_ids(),), mesh=group)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)

@@ -19,6 +19,7 @@ import tpcompile
 from tpcompile.runtime.collectives import count_collectives
 from zoo.cache_models import CachedDecoder, greedy
 from zoo.hf_models import hf_causal_lm, hf_prompt
+from zoo.lit_cache_models import LitCachedDecoder
 
 PROMPT, NEW = 5, 6
 
@@ -31,9 +32,9 @@ def _error(fn) -> str:
     return "no error"
 
 
-def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool) -> dict:
+def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool, plain_mask: bool) -> dict:
     torch.manual_seed(0)
-    model = CachedDecoder(kv_heads=kv_heads, seq_major=seq_major)
+    model = CachedDecoder(kv_heads=kv_heads, seq_major=seq_major, plain_mask=plain_mask)
     prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     tp = tpcompile.parallelize(model, (prompt, torch.arange(PROMPT)))
     want = greedy(model, prompt, NEW)
@@ -62,8 +63,46 @@ def _case(rank: int, world_size: int, kv_heads: int, seq_major: bool) -> dict:
     }
 
 
-def static_cache(rank: int, world_size: int, cases: list) -> dict:
-    return {tuple(c): _case(rank, world_size, *c) for c in cases}
+def _lit_case() -> dict:
+    """litgpt's layout (zoo/lit_cache_models.py): tokens, the cache each rank holds, and the
+    collectives of the prefill and the decode graph."""
+    torch.manual_seed(0)
+    model = LitCachedDecoder()
+    model.set_kv_cache(2)
+    prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    tp = tpcompile.parallelize(model, (prompt, torch.arange(PROMPT)))
+    with torch.inference_mode():  # as litgpt's generate runs
+        want, got = greedy(model, prompt, NEW), greedy(tp, prompt, NEW)
+    graphs = [tp.graph_module] + [gm for _, gm in tp.signatures]
+    return {"tokens": got.tolist(), "want": want.tolist(),
+            "caches": {n: tuple(b.shape) for n, b in tp.named_buffers() if "kv_cache" in n},
+            "full_cache": tuple(model.blocks[0].attn.kv_cache.k.shape),
+            "collectives": [count_collectives(gm)["forward"] for gm in graphs]}
+
+
+def litgpt_decode(rank: int, world_size: int) -> dict:
+    """litgpt's own ``GPT`` (bench/upstream_models.py's tiny Llama 3) with its KV cache on
+    (``set_kv_cache``): greedy tokens of the prefill and one-token steps, as litgpt's
+    ``batched_next_token`` calls the model, next to the unsharded model's."""
+    from bench.upstream_models import build
+
+    model = build("litgpt.llama3")[0].eval()
+    model.set_kv_cache(batch_size=2, max_seq_length=32)
+    prompt = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    tp = tpcompile.parallelize(model, (prompt, torch.arange(PROMPT)))
+    with torch.inference_mode():
+        want, got = greedy(model, prompt, NEW), greedy(tp, prompt, NEW)
+    graphs = [tp.graph_module] + [gm for _, gm in tp.signatures]
+    return {"tokens": got.tolist(), "want": want.tolist(),
+            "collectives": [count_collectives(gm)["forward"] for gm in graphs]}
+
+
+def static_cache(rank: int, world_size: int, cases: list, lit: bool = False) -> dict:
+    """Each gpt-fast case of ``cases``; with ``lit``, the litgpt-style decoder too."""
+    out = {tuple(c): _case(rank, world_size, *c) for c in cases}
+    if lit:
+        out["litgpt-style"] = _lit_case()
+    return out
 
 
 # ----------------------------------------------------------------- Hugging Face generate

@@ -120,7 +120,7 @@ def test_ranks_fed_different_batches_are_named(runs, ws):
         assert m.startswith("InputMismatchError: ranks called the module with the same shapes "
                             "("), m  # "(call 3: " in "every" mode
         assert ("(int64[2, 20]), grad, after a backward) but different values of input tokens "
-                "(integer and boolean inputs are compared") in m, m
+                "(every input tensor is compared") in m, m
         assert f"\n  input tokens:\n    {others}: " in m and f"\n    rank {ws - 1}: " in m, m
 
 
@@ -133,6 +133,26 @@ def test_every_mode_compares_the_values_of_a_later_agreed_call(runs, ws):
     assert "(int64[2, 8]), grad, after a backward) but different values of input tokens " in m, m
     others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
     assert f"\n  input tokens:\n    {others}: " in m and f"\n    rank {ws - 1}: " in m, m
+
+
+@pytest.mark.parametrize("ws", WS_PARAMS)
+def test_ranks_fed_different_float_features_are_named(runs, ws):
+    """Float inputs are compared too: on a first call ("new"), on every call ("every")."""
+    others = "rank 0" if ws == 2 else f"ranks {list(range(ws - 1))}"
+    for mode in MODES:
+        per_rank = [r["float_values"][mode] for r in runs[ws]]
+        calls = ("first", "later") if mode == "every" else ("first",)
+        for call in calls:
+            messages = {r[call]["error"] for r in per_rank}
+            assert len(messages) == 1, messages  # the same text on every rank
+            m = messages.pop()
+            assert m.startswith("InputMismatchError: ranks called the module with the same "
+                                "shapes ("), m
+            assert "(float32[2, 8, 16]), no grad) but different values of input features " in m, m
+            assert f"\n  input features:\n    {others}: " in m and f"\n    rank {ws - 1}: " in m, m
+        if mode == "new":  # a later call of an agreed description is not compared
+            assert all(r["later"]["error"] == "no error" for r in per_rank)
+        assert all(r["after"] < 1e-6 for r in per_rank)  # the next agreed call is right
 
 
 @pytest.mark.parametrize("ws", WS_PARAMS)

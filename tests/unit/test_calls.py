@@ -46,14 +46,31 @@ def test_same_shapes_with_other_values_name_the_input_and_the_ranks():
     m = _message([("(int64[2, 16], bool[2, 16]), grad", None, mine)] * 2
                  + [("(int64[2, 16], bool[2, 16]), grad", None, other)])
     assert m.startswith("ranks called the module with the same shapes ((int64[2, 16], "
-                        "bool[2, 16]), grad) but different values of input tokens (integer and "
-                        "boolean inputs are compared: token ids, positions, masks; per tensor: "
+                        "bool[2, 16]), grad) but different values of input tokens (every input "
+                        "tensor is compared: token ids, positions, masks, features; per tensor: "
                         f"sum / position-weighted sum):\n  input tokens:\n    ranks [0, 1]: "
                         f"{mine[0][1]}\n    rank 2: {other[0][1]}\n  hint: every rank"), m
-    # floats are not compared: a pipeline stage's shape inference sends uninitialised ones
-    x = torch.randn(2, 3)
-    assert values_digest(["x"] + names, [x, ids, mask]) == \
-        values_digest(["x"] + names, [x + 1, ids, mask]) == mine
+
+
+
+def test_float_inputs_are_compared_unless_left_out():
+    """Floats too; ``floats=False`` (a pipeline's shape inference) leaves them out."""
+    ids, x = torch.arange(6).reshape(2, 3), torch.randn(2, 3)
+    mine = values_digest(["x", "ids"], [x, ids])
+    assert mine == values_digest(["x", "ids"], [x.clone(), ids])
+    assert mine[0] != values_digest(["x", "ids"], [x + 1e-6, ids])[0]  # a tiny change
+    assert mine[0] != values_digest(["x", "ids"], [x.flip(-1), ids])[0]  # order counts
+    assert values_digest(["x", "ids"], [x, ids], floats=False) == \
+        values_digest(["x", "ids"], [x + 1, ids], floats=False) == mine[1:]
+
+
+def test_a_call_from_pipeline_shape_inference_is_recognised():
+    """The frame names torch.distributed.pipelining's stage uses for its metadata inference."""
+    from torch.distributed.pipelining.stage import PipelineStage
+    from tpcompile.runtime.calls import _SHAPE_INFERENCE, _in_pipeline_shape_inference
+
+    assert _SHAPE_INFERENCE & {name for cls in PipelineStage.__mro__ for name in vars(cls)}
+    assert not _in_pipeline_shape_inference()
 
 
 def test_an_unknown_mode_is_refused():

@@ -54,6 +54,28 @@ def test_python_state_assigned_in_forward_is_refused_and_restored(cls, attrs):
     assert all(model.__dict__[k] is v for k, v in before.items())
 
 
+def test_a_cache_built_on_the_first_call_is_refused_with_its_fix():
+    model = cm.LazyTable()
+    with pytest.raises(CaptureError) as e:
+        plan_model(model, _x(), 2)
+    assert str(e.value).startswith("forward sets self.table, None before the call (a cache "
+                                   "built on the first call, ")
+    assert "hint: build it before parallelize" in str(e.value)
+    assert model.table is None  # restored
+    x = _x()
+    want = model(*x)  # the fix: one call builds the table
+    cap, _ = plan_model(model, x, 2)
+    torch.testing.assert_close(cap.gm(*x), want, rtol=0, atol=0)
+
+
+def test_a_tensor_rebound_to_itself_is_captured():
+    model = cm.RebindsItself()
+    table, x = model.table, _x()
+    cap, _ = plan_model(model, x, 2)
+    assert model.table is table
+    torch.testing.assert_close(cap.gm(*x), model(*x), rtol=0, atol=0)
+
+
 def test_buffers_updated_in_place_are_part_of_the_graph():
     model = cm.RunningMean()
     gm, _, _ = rewrite(model, _x(), 1, 0)

@@ -8,7 +8,12 @@
   traced once, so the parallelized model would run forever with the values of the capture call
   (export restores ints and warns about tensors, but keeps new attributes on the model).
   Detected with a forward hook that compares each module's attributes before and after the
-  traced call; the model's attributes are then restored exactly, new ones deleted.
+  traced call; the model's attributes are then restored exactly, new ones deleted. Two kinds
+  are told apart: a tensor rebound to itself seen again (``self.k = self.k[:]``, a view with
+  the same shape, strides and offset; a ``.to()`` that changes nothing returns the tensor
+  itself) is no state and is allowed; an attribute that was None before the call (a lazily
+  built cache, ``if self._rope is None: self._rope = build()``) is refused with the fix that
+  fits it: build it before ``parallelize``.
 
 Buffers updated in place (``self.count.add_(1)``, BatchNorm's running statistics) are part of
 the graph and are not affected: the parallelized module updates its own copies.
@@ -32,6 +37,17 @@ _STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, train
 _CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
 
 
+def _same_tensor(old, new) -> bool:
+    """``new`` is ``old`` seen again: a view of it (or of its base) with its dtype, shape,
+    strides and offset. Under export ``new`` is a fake tensor whose ``_base`` is ``old``."""
+    if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor) or new is old:
+        return new is old
+    base = new._base
+    return ((base is old or (base is not None and base is old._base))
+            and (new.dtype, new.shape, new.stride(), new.storage_offset())
+            == (old.dtype, old.shape, old.stride(), old.storage_offset()))
+
+
 def _attributes(model: nn.Module) -> dict[str, dict[str, object]]:
     return {name: {k: v for k, v in m.__dict__.items() if k not in _STANDARD}
             for name, m in model.named_modules(remove_duplicate=False)}
@@ -42,13 +58,17 @@ def forward_state_guard(model: nn.Module):
     """Restore every module's attributes afterwards; raise if the traced forward assigned any."""
     before = _attributes(model)
     assigned: set[str] = set()
+    lazy: set[str] = set()
 
     def compare(module, args, output):
         for name, attrs in _attributes(model).items():
             old = before.get(name, {})
             prefix = f"self.{name}." if name else "self."
-            assigned.update(prefix + k for k in attrs.keys() | old.keys()
-                            if k not in old or k not in attrs or attrs[k] is not old[k])
+            for k in attrs.keys() | old.keys():
+                if k in old and k in attrs and old[k] is None and attrs[k] is not None:
+                    lazy.add(prefix + k)  # None before: a cache built on the first call
+                elif k not in old or k not in attrs or not _same_tensor(old[k], attrs[k]):
+                    assigned.add(prefix + k)
 
     handle = model.register_forward_hook(compare)
     try:
@@ -61,9 +81,23 @@ def forward_state_guard(model: nn.Module):
             for k in [k for k in state if k not in _STANDARD and k not in attrs]:
                 del state[k]
             state.update(attrs)
-    if assigned:
+    _refuse(assigned, lazy)
+
+
+def _refuse(assigned: set[str], lazy: set[str]) -> None:
+    """Raise for attributes forward assigned: state that changes, or a cache built lazily."""
+    if lazy and not assigned:
         raise CaptureError(
-            f"forward assigns Python state: {', '.join(sorted(assigned))}; the parallelized "
+            f"forward sets {', '.join(sorted(lazy))}, None before the call (a cache built on "
+            "the first call, `if self.x is None: self.x = build(...)`): the graph is traced "
+            "once, so every call would run the capture call's branch, its values baked in\n"
+            "  hint: build it before parallelize, in __init__ or by calling the model once on "
+            "an example input (tpcompile then reads the built tensor as a constant of the "
+            "graph); state that changes on every call belongs in a buffer updated in place or "
+            "in the inputs")
+    if assigned or lazy:
+        raise CaptureError(
+            f"forward assigns Python state: {', '.join(sorted(assigned | lazy))}; the parallelized "
             "module runs the graph traced once, so it would keep the values of the capture call "
             "forever\n  hint: keep state that changes in a buffer updated in place "
             "(self.register_buffer('step', torch.zeros(())); self.step.add_(1)), or pass it as "

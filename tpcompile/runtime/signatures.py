@@ -8,6 +8,13 @@ materializing weights, and :func:`bind_tensors` points its parameters and buffer
 module's own, so the shards an optimizer updates and a KV cache a prefill wrote are what the
 decode graph reads. :func:`written_buffers` names the buffers graphs write in place (a static
 KV cache) for ``TPModule.reset_caches``.
+
+A model may also keep tensors as plain attributes, neither parameters nor buffers: litgpt's
+``mask_cache``, gpt-fast's ``freqs_cis`` or causal mask. Export reads them as constants of the
+graph. A later capture runs on a meta copy of the model, where such an attribute must be meta
+too (fake tensors refuse an op mixing CPU and meta tensors); :func:`plain_tensors` finds them,
+the copy holds meta stand-ins, and :func:`bind_constants` gives the new graph their real
+values.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from torch import fx, nn
 
 from tpcompile.errors import TPCompileError
 
-__all__ = ["MAX_SIGNATURES", "bind_tensors", "written_buffers", "exact_fit"]
+__all__ = ["MAX_SIGNATURES", "bind_constants", "bind_tensors", "plain_tensors", "written_buffers",
+           "exact_fit"]
 
 MAX_SIGNATURES = 8  # captures one module keeps (prefill and decode need two)
 
@@ -50,6 +58,48 @@ def bind_tensors(gm: fx.GraphModule, owner: nn.Module, plan=None, prefix: str = 
         owner_mod, _, leaf = name.rpartition(".")
         sub = gm.get_submodule(owner_mod) if owner_mod else gm
         (sub._parameters if leaf in sub._parameters else sub._buffers)[leaf] = held
+
+
+def plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN -> tensor of every tensor ``model``'s modules hold as a plain attribute (not a
+    parameter or buffer: ``self.mask_cache = build_mask_cache(...)``)."""
+    out = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                out[f"{path}.{attr}" if path else attr] = value
+    return out
+
+
+def bind_constants(gm: fx.GraphModule, constants: dict[str, torch.Tensor], device,
+                   prefix: str = "") -> None:
+    """Give every meta constant ``gm`` reads (a plain tensor attribute of the meta copy it was
+    captured on) the real tensor of the same name in ``constants``, on ``device``.
+
+    ``prefix``: ``gm`` captured a wrapper holding the model there. A constant export built
+    in forward (``torch.tensor([...])``) holds its real value already and is left alone.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, _, leaf = node.target.rpartition(".")
+        sub = gm.get_submodule(owner) if owner else gm
+        value = getattr(sub, leaf)
+        if (not isinstance(value, torch.Tensor) or value.device.type != "meta"
+                or leaf in sub._parameters or leaf in sub._buffers):
+            continue
+        name = node.target[len(prefix):] if node.target.startswith(prefix) else node.target
+        real = constants.get(name, constants.get(node.target))
+        if real is None:
+            raise TPCompileError(
+                f"the capture of a new call signature reads the tensor attribute {name}, whose "
+                "value the module does not hold\n  hint: this is a tpcompile bug; please report it")
+        if real.device.type == "meta":  # as to_empty says of the first graph's constants
+            raise TPCompileError(
+                f"the capture of a new call signature reads the tensor constant {name}, created on "
+                "the meta device: its value was never computed; register it as a buffer in the "
+                "model instead")
+        setattr(sub, leaf, real.to(device))
 
 
 def written_buffers(gm: fx.GraphModule) -> list[str]:

@@ -331,8 +331,14 @@ def slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:
     return start, max(start, end)
 
 
+def _same(node: fx.Node, p: Shard):
+    """``alias``: the same dims of the same storage (export's ``self.k[:b]`` when ``b`` is the
+    whole dim: a cache written through it is the buffer itself)."""
+    return p
+
+
 DIM_MAPS = {
-    **dict.fromkeys(VIEWS, _map_view),
+    **dict.fromkeys(VIEWS, _map_view), aten.alias.default: _same,
     aten.transpose.int: _transposed, aten.t.default: _transposed,
     aten.permute.default: _permuted, aten.numpy_T.default: _reversed, aten.movedim.int: _moved,
     aten.unsqueeze.default: _unsqueezed, aten.squeeze.dim: _squeezed,

@@ -33,8 +33,8 @@ def _pointwise(linear):
 
 
 UNARY_LINEAR = [
-    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default,
+    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
+    aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default,
 ]
 POINTWISE = [
     aten.gelu.default, aten.silu.default, aten.relu.default, aten.tanh.default,
