@@ -73,28 +73,30 @@ def test_experts_are_cut_as_asked_and_reduced_once(name, world_size, mode):
 
 
 def _numerics_rank(rank: int, world_size: int, cases: list) -> dict:
-    """On each gloo rank: (model, mode) -> (output error, largest gradient error, largest
-    weight error after 3 AdamW steps)."""
+    """On each gloo rank: (model, mode, sequence parallel) -> (output error, largest gradient
+    error, largest weight error after 3 AdamW steps)."""
     from tpcompile.tools.numerics import compare
     from zoo.hf_models import hf_inputs, hf_model
 
     out = {}
-    for name, mode in cases:
+    for name, mode, sp in cases:
         model = hf_model(name)
         ids, kwargs = hf_inputs(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tp = tpcompile.parallelize(model, (ids,), example_kwargs=kwargs, experts=mode)
+            tp = tpcompile.parallelize(model, (ids,), example_kwargs=kwargs, experts=mode,
+                                       sequence_parallel=sp)
             c = compare(model, tp, (ids,), kwargs=kwargs, steps=3)
-        out[name, mode] = (c.output_err, c.max_grad_err, c.max_step_err)
+        out[name, mode, sp] = (c.output_err, c.max_grad_err, c.max_step_err)
     return out
 
 
-NUMERICS_CI = {2: [("qwen3_moe", "expert")], 4: []}  # 5 experts over 2 ranks: 3 and 2
+# 5 experts over 2 ranks: 3 and 2; "auto" under sequence parallelism: expert-TP
+NUMERICS_CI = {2: [("qwen3_moe", "expert", False), ("mixtral", "auto", True)], 4: []}
 
 
 def _numerics_params() -> list:
-    every = [(n, m) for n in MODELS for m in MODES]
+    every = [(n, m, False) for n in MODELS for m in MODES] + [("qwen3_moe_64", "auto", True)]
     out = []
     for ws in (2, 4):
         ci = NUMERICS_CI[ws]
@@ -140,3 +142,28 @@ def _top_k(name: str) -> int:
 
     config = MOE[name][2]
     return config["num_experts_per_tok"]
+
+
+def test_auto_under_sequence_parallelism_is_expert_tp_and_says_why():
+    """Whole experts would need every token where sequence parallelism brings shards: "auto"
+    plans what "tensor" does under SP, and the line says so; "expert" is refused, naming the
+    fallback. Its numerics: ``NUMERICS_CI``'s ("mixtral", "auto", True)."""
+    from zoo.hf_models import hf_inputs, hf_model
+
+    plans = {}
+    for mode in ("auto", "tensor"):
+        model = hf_model("mixtral")
+        ids, kwargs = hf_inputs(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, plans[mode] = tpcompile.plan_model(model, (ids,), 2, example_kwargs=kwargs,
+                                                  experts=mode, sequence_parallel=True)
+    assert plans["auto"].params == plans["tensor"].params
+    assert plans["auto"].conversions == plans["tensor"].conversions
+    for layer in range(2):
+        how = plans["auto"].experts[f"model.layers.{layer}.mlp.experts"]
+        assert how.startswith("tensor parallel: auto: sequence_parallel=True"), how
+        assert "all-to-all" in how, how
+    with pytest.raises(ValueError, match='use experts="tensor" or "auto"'):
+        tpcompile.plan_model(model, (ids,), 2, example_kwargs=kwargs, experts="expert",
+                             sequence_parallel=True)
