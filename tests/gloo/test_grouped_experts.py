@@ -167,3 +167,38 @@ def test_auto_under_sequence_parallelism_is_expert_tp_and_says_why():
     with pytest.raises(ValueError, match='use experts="tensor" or "auto"'):
         tpcompile.plan_model(model, (ids,), 2, example_kwargs=kwargs, experts="expert",
                              sequence_parallel=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_explain_gives_the_rows_routed_to_each_ranks_experts(world_size):
+    """The ``load`` of each block equals the routing read independently: the experts module's
+    ``top_k_index`` counted per expert, summed over each rank's whole experts (5 experts: the
+    first ranks hold one more)."""
+    import torch
+
+    from zoo.hf_models import hf_inputs, hf_model
+
+    report = _report("qwen3_moe", world_size, "expert")
+    model = hf_model("qwen3_moe")
+    ids, kwargs = hf_inputs(model)
+    routed = {}
+
+    def record(layer, args):  # a pre-hook returning a value would replace the arguments
+        routed.setdefault(layer, args[1].flatten())
+
+    for layer in range(2):
+        module = model.model.layers[layer].mlp.experts
+        module.register_forward_pre_hook(lambda m, args, layer=layer: record(layer, args))
+    with torch.no_grad():
+        model(ids, **kwargs)
+    for layer, index in routed.items():
+        n_experts = model.config.num_experts
+        counts = torch.bincount(index, minlength=n_experts).tolist()
+        q, extra = divmod(n_experts, world_size)
+        sizes = [q + (r < extra) for r in range(world_size)]
+        starts = [sum(sizes[:r]) for r in range(world_size)]
+        expected = [sum(counts[s:s + n]) for s, n in zip(starts, sizes)]
+        module = f"model.layers.{layer}.mlp.experts"
+        assert report.expert_load[module] == expected, (report.expert_load, expected)
+        assert f"load: rows of the example routed to each rank's whole experts: " \
+               f"{', '.join(map(str, expected))}" in str(report)
