@@ -169,7 +169,7 @@ def test_auto_under_sequence_parallelism_is_expert_tp_and_says_why():
                              sequence_parallel=True)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_explain_gives_the_rows_routed_to_each_ranks_experts(world_size):
     """The ``load`` of each block equals the routing read independently: the experts module's
     ``top_k_index`` counted per expert, summed over each rank's whole experts (5 experts: the
