@@ -53,3 +53,18 @@ def test_text_and_json_carry_the_choice(advice):
     assert obj["schema"] == "tpcompile.advise/3"
     assert [e["cheaper"] for e in obj["experts"]] == [c.cheaper for c in advice.experts]
     assert advice.under(CostModel(DEVICES["a100"])).experts == advice.experts
+
+
+def test_whole_experts_are_weighed_without_sequence_parallelism():
+    """``experts="expert"`` is planned without SP only: advise weighs it so, rather than
+    failing on the SP rows it weighs by default."""
+    experts, width, top_k, model_width = SHAPE
+    with torch.device("meta"):
+        block = moe_block(experts, width, top_k, model_width)
+        x = torch.zeros(1, TOKENS, model_width)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        advice = advise(block, (x,), 2, CostModel(DEVICES["h100"]), experts="expert",
+                        checkpointing=None, fsdp=False)
+    assert {r.sp for r in advice.configs} == {False}
+    assert [c.planned.split(":")[0] for c in advice.experts] == ["expert parallel"]

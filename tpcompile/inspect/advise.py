@@ -194,7 +194,9 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
     so the global batch is the same for every degree. ``checkpointing`` (modes of
     ``parallelize``'s ``activation_checkpointing``), ``fsdp`` and ``sequence_parallel`` are the
     choices weighed (FSDP or SP over one rank is none: a degree with one data-parallel or one
-    tensor-parallel rank is weighed without); inference weighs TP alone. ``options`` are
+    tensor-parallel rank is weighed without; ``experts="expert"``, planned without SP only,
+    is weighed without unless SP alone is asked, which its plan refuses); inference weighs
+    TP alone. ``options`` are
     ``parallelize``'s other plan options; ``reuse_blocks`` plans three blocks and repeats them
     (the same plan, much faster for a deep model).
     """
@@ -206,6 +208,8 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
     checkpointing = _choices(checkpointing, MODES, "checkpointing") if train else (None,)
     fsdp = _choices(fsdp, (False, True), "fsdp")
     sequence_parallel = _choices(sequence_parallel, (False, True), "sequence_parallel")
+    if options.get("experts") == "expert":  # planned without SP only: weigh SP if asked alone
+        sequence_parallel = tuple(s for s in sequence_parallel if not s) or sequence_parallel
     rows, experts = [], []
     for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
         for sp in sorted({s and tp > 1 and train for s in sequence_parallel}):  # SP of 1: none
