@@ -19,16 +19,21 @@ from zoo.moe_blocks import moe_block
 SHAPE, TOKENS, GPUS = (16, 64, 4, 64), 64, 4
 
 
-@pytest.fixture(scope="module")
-def advice():
+def _advise(gpus: int, **options):
+    """advise on the block built on meta: no checkpointing, no FSDP weighed."""
     experts, width, top_k, model_width = SHAPE
     with torch.device("meta"):
         block = moe_block(experts, width, top_k, model_width)
         x = torch.zeros(1, TOKENS, model_width)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return advise(block, (x,), GPUS, CostModel(DEVICES["h100"]), experts="auto",
-                      checkpointing=None, fsdp=False, sequence_parallel=False)
+        return advise(block, (x,), gpus, CostModel(DEVICES["h100"]), checkpointing=None,
+                      fsdp=False, **options)
+
+
+@pytest.fixture(scope="module")
+def advice():
+    return _advise(GPUS, experts="auto", sequence_parallel=False)
 
 
 def test_each_degree_prices_both_cuts_and_plans_the_cheaper(advice):
@@ -58,13 +63,6 @@ def test_text_and_json_carry_the_choice(advice):
 def test_whole_experts_are_weighed_without_sequence_parallelism():
     """``experts="expert"`` is planned without SP only: advise weighs it so, rather than
     failing on the SP rows it weighs by default."""
-    experts, width, top_k, model_width = SHAPE
-    with torch.device("meta"):
-        block = moe_block(experts, width, top_k, model_width)
-        x = torch.zeros(1, TOKENS, model_width)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        advice = advise(block, (x,), 2, CostModel(DEVICES["h100"]), experts="expert",
-                        checkpointing=None, fsdp=False)
+    advice = _advise(2, experts="expert")
     assert {r.sp for r in advice.configs} == {False}
     assert [c.planned.split(":")[0] for c in advice.experts] == ["expert parallel"]
