@@ -24,7 +24,13 @@ import math
 from tpcompile.passes.planner.dims import hinted_shape, shape, val
 from tpcompile.passes.planner.expert_cost import device_for, expert_costs
 
-__all__ = ["choose_column", "expert_label", "grouped_mode", "place_experts", "expert_placements"]
+__all__ = ["choose_column", "expert_label", "grouped_costs", "grouped_mode", "place_experts",
+           "expert_placements"]
+
+# experts="auto" under sequence parallelism: the one cut it can plan (PlanOptions refuses "expert")
+SEQUENCE_PARALLEL = ("auto: sequence_parallel=True: the tokens reach the block as sequence shards, "
+                     "which whole experts could only take through an all-to-all dispatch (not "
+                     "implemented), so each expert is split column -> row")
 
 
 def expert_label(labels, others, out_labels):
@@ -52,6 +58,8 @@ def choose_column(op, w, labels, others, out_labels, column):
         mode, why = "expert", ("the first dim only the weight and the output carry, which "
                                'experts="tensor" cuts too, is the experts (the tokens are '
                                "broadcast over them)")
+    elif mode == "auto" and op.options.sequence_parallel:
+        mode, why = "tensor", SEQUENCE_PARALLEL
     elif mode == "auto":
         width = int(shape(w)[labels.index(column)]) if column is not None else None
         mode, why = _auto(count, width, ranks)
@@ -76,18 +84,26 @@ def grouped_mode(op, w) -> tuple[str, str]:
     why = f'experts="{mode}"'
     if mode != "tensor" and count < ranks:
         mode, why = "tensor", f"{count} experts: fewer than the {ranks} ranks"
+    elif mode == "auto" and op.options.sequence_parallel:
+        mode, why = "tensor", SEQUENCE_PARALLEL
     elif mode == "auto":
         mode, why = _auto_grouped(op.node.args[0], w, ranks)
     return ("rows" if mode == "expert" else "tensor"), why
 
 
-def _auto_grouped(x, w, ranks: int) -> tuple[str, str]:
-    """``experts="auto"`` on a grouped matmul: the cheaper cut by
-    :func:`~tpcompile.passes.planner.expert_cost.expert_costs`, for the example's routed rows
-    (``x``'s) on the weight's device type; ``w``'s output is read as gate and up, ``2W``."""
+def grouped_costs(x, w, ranks: int) -> dict:
+    """Both cuts of the grouped matmul of ``x`` (the routed rows) by ``w`` (experts, model
+    width, ``2W``: its output read as gate and up) priced by
+    :func:`~tpcompile.passes.planner.expert_cost.expert_costs` for the example's rows on the
+    weight's device type and dtype: what ``experts="auto"`` and ``advise`` weigh."""
     experts, model_width, out = hinted_shape(w)
-    costs = expert_costs(experts, out // 2, model_width, hinted_shape(x)[0], ranks,
-                         device_for(val(w).device.type))
+    return expert_costs(experts, out // 2, model_width, hinted_shape(x)[0], ranks,
+                        device_for(val(w).device.type), dtype_bytes=val(w).dtype.itemsize)
+
+
+def _auto_grouped(x, w, ranks: int) -> tuple[str, str]:
+    """``experts="auto"`` on a grouped matmul: the cut :func:`grouped_costs` prices lower."""
+    costs = grouped_costs(x, w, ranks)
     pick = min(costs, key=lambda m: costs[m].seconds)
     return pick, f"auto: cost model ({costs['tensor']}; {costs['expert']})"
 

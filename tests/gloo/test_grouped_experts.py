@@ -73,28 +73,30 @@ def test_experts_are_cut_as_asked_and_reduced_once(name, world_size, mode):
 
 
 def _numerics_rank(rank: int, world_size: int, cases: list) -> dict:
-    """On each gloo rank: (model, mode) -> (output error, largest gradient error, largest
-    weight error after 3 AdamW steps)."""
+    """On each gloo rank: (model, mode, sequence parallel) -> (output error, largest gradient
+    error, largest weight error after 3 AdamW steps)."""
     from tpcompile.tools.numerics import compare
     from zoo.hf_models import hf_inputs, hf_model
 
     out = {}
-    for name, mode in cases:
+    for name, mode, sp in cases:
         model = hf_model(name)
         ids, kwargs = hf_inputs(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tp = tpcompile.parallelize(model, (ids,), example_kwargs=kwargs, experts=mode)
+            tp = tpcompile.parallelize(model, (ids,), example_kwargs=kwargs, experts=mode,
+                                       sequence_parallel=sp)
             c = compare(model, tp, (ids,), kwargs=kwargs, steps=3)
-        out[name, mode] = (c.output_err, c.max_grad_err, c.max_step_err)
+        out[name, mode, sp] = (c.output_err, c.max_grad_err, c.max_step_err)
     return out
 
 
-NUMERICS_CI = {2: [("qwen3_moe", "expert")], 4: []}  # 5 experts over 2 ranks: 3 and 2
+# 5 experts over 2 ranks: 3 and 2; "auto" under sequence parallelism: expert-TP
+NUMERICS_CI = {2: [("qwen3_moe", "expert", False), ("mixtral", "auto", True)], 4: []}
 
 
 def _numerics_params() -> list:
-    every = [(n, m) for n in MODELS for m in MODES]
+    every = [(n, m, False) for n in MODELS for m in MODES] + [("qwen3_moe_64", "auto", True)]
     out = []
     for ws in (2, 4):
         ci = NUMERICS_CI[ws]
@@ -140,3 +142,63 @@ def _top_k(name: str) -> int:
 
     config = MOE[name][2]
     return config["num_experts_per_tok"]
+
+
+def test_auto_under_sequence_parallelism_is_expert_tp_and_says_why():
+    """Whole experts would need every token where sequence parallelism brings shards: "auto"
+    plans what "tensor" does under SP, and the line says so; "expert" is refused, naming the
+    fallback. Its numerics: ``NUMERICS_CI``'s ("mixtral", "auto", True)."""
+    from zoo.hf_models import hf_inputs, hf_model
+
+    plans = {}
+    for mode in ("auto", "tensor"):
+        model = hf_model("mixtral")
+        ids, kwargs = hf_inputs(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, plans[mode] = tpcompile.plan_model(model, (ids,), 2, example_kwargs=kwargs,
+                                                  experts=mode, sequence_parallel=True)
+    assert plans["auto"].params == plans["tensor"].params
+    assert plans["auto"].conversions == plans["tensor"].conversions
+    for layer in range(2):
+        how = plans["auto"].experts[f"model.layers.{layer}.mlp.experts"]
+        assert how.startswith("tensor parallel: auto: sequence_parallel=True"), how
+        assert "all-to-all" in how, how
+    with pytest.raises(ValueError, match='use experts="tensor" or "auto"'):
+        tpcompile.plan_model(model, (ids,), 2, example_kwargs=kwargs, experts="expert",
+                             sequence_parallel=True)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_explain_gives_the_rows_routed_to_each_ranks_experts(world_size):
+    """The ``load`` of each block equals the routing read independently: the experts module's
+    ``top_k_index`` counted per expert, summed over each rank's whole experts (5 experts: the
+    first ranks hold one more)."""
+    import torch
+
+    from zoo.hf_models import hf_inputs, hf_model
+
+    report = _report("qwen3_moe", world_size, "expert")
+    model = hf_model("qwen3_moe")
+    ids, kwargs = hf_inputs(model)
+    routed = {}
+
+    def record(layer, args):  # a pre-hook returning a value would replace the arguments
+        routed.setdefault(layer, args[1].flatten())
+
+    for layer in range(2):
+        module = model.model.layers[layer].mlp.experts
+        module.register_forward_pre_hook(lambda m, args, layer=layer: record(layer, args))
+    with torch.no_grad():
+        model(ids, **kwargs)
+    for layer, index in routed.items():
+        n_experts = model.config.num_experts
+        counts = torch.bincount(index, minlength=n_experts).tolist()
+        q, extra = divmod(n_experts, world_size)
+        sizes = [q + (r < extra) for r in range(world_size)]
+        starts = [sum(sizes[:r]) for r in range(world_size)]
+        expected = [sum(counts[s:s + n]) for s, n in zip(starts, sizes)]
+        module = f"model.layers.{layer}.mlp.experts"
+        assert report.expert_load[module] == expected, (report.expert_load, expected)
+        assert f"load: rows of the example routed to each rank's whole experts: " \
+               f"{', '.join(map(str, expected))}" in str(report)

@@ -173,7 +173,8 @@ def test_cli_prints_the_cost_model_and_json(capsys):
     assert main(["advise", "mlp", "--gpus", "2", "--flops", "1e14", "--link-gbps", "400",
                  "--memory-gib", "16", "--json", "--quiet"]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert obj["schema"] == SCHEMA == "tpcompile.advise/2"
+    assert obj["schema"] == SCHEMA == "tpcompile.advise/3"
+    assert obj["experts"] == []  # no MoE block: no expert choice
     assert obj["cost"]["device"]["link_gbps"] == 400 and obj["cost"]["assumptions"]
     assert {d["tp"] for d in obj["configs"]} == {1, 2}
     assert obj["configs"][obj["best"]]["tp"] in (1, 2)

@@ -53,8 +53,9 @@ class PlanOptions:
     its matmul, ``bmm`` over ``(experts, out, in)``) are cut: ``"tensor"`` splits each
     expert's matrices column -> row like any MLP; ``"expert"`` gives each rank whole experts
     (the batch dim cut), the sum over experts a partial sum all-reduced once; ``"auto"``
-    picks whichever leaves the largest rank the smaller share of the experts' weights
-    (``passes/planner/experts.py``).
+    picks by a cost model (``passes/planner/experts.py``), and expert-TP under sequence
+    parallelism, whose sequence-sharded tokens whole experts cannot take without an
+    all-to-all dispatch (not implemented: ``"expert"`` with it is refused).
     """
 
     vocab_parallel: bool = False
@@ -65,9 +66,11 @@ class PlanOptions:
     def __post_init__(self):
         if self.experts not in EXPERT_MODES:
             raise ValueError(f"experts must be one of {EXPERT_MODES}, got {self.experts!r}")
-        if self.experts != "tensor" and self.sequence_parallel:
-            raise ValueError(f"experts={self.experts!r} is planned without sequence parallelism "
-                             'only; use experts="tensor" with sequence_parallel=True')
+        if self.experts == "expert" and self.sequence_parallel:
+            raise ValueError('experts="expert" is planned without sequence parallelism only (whole '
+                             "experts need every token; an all-to-all dispatch is not "
+                             'implemented): use experts="tensor" or "auto", which fall back to '
+                             "expert-TP with sequence_parallel=True")
 
     @property
     def static_dims(self) -> tuple[int, ...]:

@@ -9,20 +9,23 @@ activation-checkpointing mode (the graph run on meta tensors with its regions ou
 other GPUs / TP ranks are data-parallel, either replicated (gradients all-reduced) or FSDP2
 (parameters, gradients and optimizer state sharded, all-gathered per block). Each
 (TP, data parallelism, checkpointing, SP) configuration is priced by the
-:mod:`~tpcompile.inspect.costs` model; the advice is the fastest that fits in memory.
+:mod:`~tpcompile.inspect.costs` model; the advice is the fastest that fits in memory. For an
+MoE model, each block's expert cut (expert-TP or whole experts per rank) is priced at each
+degree by ``experts="auto"``'s cost model (:mod:`~tpcompile.inspect.advise_experts`).
 Estimates, not measurements: the model and its assumptions are printed with every answer.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
 from tpcompile.core.plan import PlanOptions
+from tpcompile.inspect.advise_experts import expert_choices
 from tpcompile.inspect.advise_measure import Measured, fsdp_shard_bytes, measure_trace, mode_name
 from tpcompile.inspect.costs import CostModel, peak_flops, ring, ring_seconds
 from tpcompile.inspect.trace import trace_rewrite
@@ -30,7 +33,7 @@ from tpcompile.passes.rewrite.checkpoint_regions import MODES
 
 __all__ = ["Estimate", "Advice", "advise", "SCHEMA"]
 
-SCHEMA = "tpcompile.advise/2"
+SCHEMA = "tpcompile.advise/3"
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,14 @@ class Advice:
     cost: CostModel
     configs: list            # [Estimate]
     best: int | None         # index in configs of the fastest that fits; None if none fits
+    experts: list = field(default_factory=list)  # [ExpertChoice] per TP degree > 1 and block
 
     def under(self, cost: CostModel) -> "Advice":
         """The same measurements priced for another device or efficiency (same mode)."""
         if cost.inference != self.cost.inference:
             raise ValueError("training and inference measure different things: advise again")
         return _decide(self.model, self.gpus, getattr(torch, self.dtype), self.inputs, cost,
-                       self.configs)
+                       self.configs, self.experts)
 
     @property
     def best_config(self) -> Estimate | None:
@@ -162,11 +166,12 @@ def price(row: Estimate, cost: CostModel, dtype: torch.dtype) -> Estimate:
 
 
 def _decide(model: str, gpus: int, dtype: torch.dtype, inputs: list, cost: CostModel,
-            measured: list) -> Advice:
+            measured: list, experts: list) -> Advice:
     rows = [price(r, cost, dtype) for r in measured]
     fitting = [i for i, r in enumerate(rows) if r.fits]
     best = min(fitting, key=lambda i: (rows[i].step_s, rows[i].tp)) if fitting else None
-    return Advice(model, gpus, str(dtype).removeprefix("torch."), inputs, cost, rows, best)
+    return Advice(model, gpus, str(dtype).removeprefix("torch."), inputs, cost, rows, best,
+                  experts)
 
 
 def _choices(value, allowed: tuple, name: str) -> tuple:
@@ -189,7 +194,9 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
     so the global batch is the same for every degree. ``checkpointing`` (modes of
     ``parallelize``'s ``activation_checkpointing``), ``fsdp`` and ``sequence_parallel`` are the
     choices weighed (FSDP or SP over one rank is none: a degree with one data-parallel or one
-    tensor-parallel rank is weighed without); inference weighs TP alone. ``options`` are
+    tensor-parallel rank is weighed without; ``experts="expert"``, planned without SP only,
+    is weighed without unless SP alone is asked, which its plan refuses); inference weighs
+    TP alone. ``options`` are
     ``parallelize``'s other plan options; ``reuse_blocks`` plans three blocks and repeats them
     (the same plan, much faster for a deep model).
     """
@@ -201,7 +208,9 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
     checkpointing = _choices(checkpointing, MODES, "checkpointing") if train else (None,)
     fsdp = _choices(fsdp, (False, True), "fsdp")
     sequence_parallel = _choices(sequence_parallel, (False, True), "sequence_parallel")
-    rows = []
+    if options.get("experts") == "expert":  # planned without SP only: weigh SP if asked alone
+        sequence_parallel = tuple(s for s in sequence_parallel if not s) or sequence_parallel
+    rows, experts = [], []
     for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
         for sp in sorted({s and tp > 1 and train for s in sequence_parallel}):  # SP of 1: none
             if progress is not None:
@@ -211,5 +220,6 @@ def advise(model: nn.Module, example_inputs, gpus: int, cost: CostModel, *,
                                   options=PlanOptions(sequence_parallel=sp, **options))
             rows += _rows(measure_trace(trace, inputs, checkpointing, train), gpus, train,
                           fsdp, [mode_name(m) for m in checkpointing])
+            experts += expert_choices(trace) if tp > 1 and not sp else []
     shapes = [list(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)]
-    return _decide(type(model).__name__, gpus, dtype, shapes, cost, rows)
+    return _decide(type(model).__name__, gpus, dtype, shapes, cost, rows, experts)

@@ -1,8 +1,9 @@
 """``tpcompile advise``'s answer as text: the cost model, one row per configuration, the
-advice, and whether tensor parallelism pays."""
+advice, whether tensor parallelism pays, and for an MoE model each block's expert cut."""
 
 from __future__ import annotations
 
+from tpcompile.inspect.advise_experts import render_experts
 from tpcompile.inspect.explain_text import table
 from tpcompile.inspect.plan_svg import human_bytes
 
@@ -60,4 +61,5 @@ def render(a) -> str:
     rows = [_row(r, i == a.best, train) for i, r in enumerate(a.configs)]
     lines += ["", "per rank, per step:"] + table(header, rows)
     capacity = a.cost.device.memory_gib * a.cost.usable_memory
-    return "\n".join(lines + [""] + _verdict(a, capacity))
+    experts = render_experts(a.experts)
+    return "\n".join(lines + [""] + _verdict(a, capacity) + ([""] + experts if experts else []))

@@ -23,6 +23,7 @@ from tpcompile.passes.planner.quantized import quantized_weights
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
+from tpcompile.inspect.expert_load import expert_loads
 from tpcompile.inspect.explain_html import page
 from tpcompile.inspect.explain_text import render
 from tpcompile.inspect.plan_block import block_view
@@ -76,6 +77,8 @@ class Report:
     # activation checkpointing: {"kept": [region], "dropped": [{"region", "reason"}]}
     checkpointing: dict = field(default_factory=lambda: {"kept": [], "dropped": []})
     experts: dict = field(default_factory=dict)  # MoE module -> how its experts are cut, why
+    # grouped-matmul MoE module -> rows of the example routed to each rank's whole experts
+    expert_load: dict = field(default_factory=dict)
     # per rank under Megatron's plan (tpcompile.inspect.bound): split weights / N + the rest
     param_bytes_ideal: float = 0.0
 
@@ -235,5 +238,7 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         megatron=megatron_comparison(trace, collectives),
         dtensor_plan=styles, not_expressible=missing,
         checkpointing=_checkpointing(trace, activation_checkpointing),
-        experts=dict(trace.plan.experts), param_bytes_ideal=trace.bound.ideal_bytes)
+        experts=dict(trace.plan.experts), param_bytes_ideal=trace.bound.ideal_bytes,
+        expert_load=expert_loads(model, example_inputs, example_kwargs, trace.cap.gm,
+                                 world_size) if trace.plan.experts else {})
     return page(report, block_view(report, trace)) if html else report

@@ -53,8 +53,16 @@ def _experts(r) -> list[str]:
     """One line per MoE block: whole experts per rank, or each expert split (and why)."""
     if not r.experts:
         return []
-    return ["experts (options.experts: how each MoE block's stacked experts are cut)"] + [
-        f"  {module}: {how}" for module, how in sorted(r.experts.items())]
+    lines = ["experts (options.experts: how each MoE block's stacked experts are cut)"]
+    for module, how in sorted(r.experts.items()):
+        lines.append(f"  {module}: {how}")
+        load = r.expert_load.get(module)
+        if load:
+            mean = sum(load) / len(load)
+            lines.append(f"    load: rows of the example routed to each rank's whole experts: "
+                         f"{', '.join(map(str, load))} (busiest {max(load) / mean:.2f}x the mean)"
+                         if mean else "    load: no rows routed")
+    return lines
 
 
 def _collectives(r) -> list[str]:
