@@ -146,7 +146,7 @@ for _target, _map in DIM_MAPS.items():  # one propagation; a map and a localizat
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-          localize=lambda node, local: _localize_split(node, local))
+          localize=lambda node, local: _localize_split(node, local), splits=True)
 def _split(op):
     x = op.node.args[0]
     outs = val(op.node)
