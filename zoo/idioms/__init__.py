@@ -30,8 +30,8 @@ from zoo.idioms.skeleton import Attention, D, HEADS, HEAD_DIM, LAYERS, LM, SwiGL
 from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, PairStackRoPE, PartialRoPE,
                                   RotateHalfRoPE, T5RelativeBias, TorchtitanAttention)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
-                                    IndexedMQA, MatmulLinear, NormalizedQK, SlicedQKV, TimmQKV,
-                                    WholeQKNorm)
+                                    IndexedMQA, MatmulLinear, NormalizedQK, SlicedQKV,
+                                    SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, InterleavedGateUp, ModuleListMoE,
@@ -131,6 +131,9 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
     ("fused_qkv_timm", lambda: LM(attn=TimmQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
     ("fused_qkv_slices", lambda: LM(attn=SlicedQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
+    # each piece of the split weight cut by heads as its part of the one root, bias too
+    ("packed_weight_split", lambda: LM(attn=SplitWeightQKV),
+     attention_expect(col=_in_layers("attn.in_proj_weight", "attn.in_proj_bias"))),
     # q's rows cut by heads, the kv head's rows whole on every rank (its gradient all-reduced
     # once: backward +1), as a separate k / v projection of one head is
     ("fused_qkv_mqa", lambda: LM(attn=FusedMQA),
@@ -240,6 +243,7 @@ STYLES = {
     "fused_qkv_unbind": "one qkv Linear, `view(B, T, 3, H, D).unbind(2)`",
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
     "fused_qkv_slices": "Phi-3 `qkv_proj` cut by uneven slices `qkv[..., :q_pos]` (8 q / 4 kv heads)",
+    "packed_weight_split": "`nn.MultiheadAttention` cross-attention: `in_proj_weight.split([E, 2E])`, one `F.linear` per piece",
     "fused_qkv_mqa": "GPT-BigCode: one `c_attn` for 8 q heads and 1 kv head, `split`, kv `expand`ed",
     "t5_relative_bias": "T5 / CPM-Ant: `nn.Embedding(buckets, heads)` of relative positions added to the scores",
     "fused_qkv_mqa_indexed": "Falcon-7B: `qkv.view(B, T, H + 2, D)`, k / v picked by list indices `qkv[..., [-2], :]`",

@@ -97,6 +97,26 @@ class SlicedQKV(Attention):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+class SplitWeightQKV(Attention):
+    """``nn.MultiheadAttention``'s cross-attention path (``_in_projection_packed`` when the
+    query is not the key): the packed ``in_proj_weight`` and bias split into q rows and k / v
+    rows *before* two ``F.linear`` calls, the k / v output then taken apart by
+    ``unflatten(-1, (2, D))``. Here both read the block's input, as the skeleton has one."""
+
+    def init_projections(self, linear):
+        self.in_proj_weight = nn.Parameter(torch.randn(3 * D, D) / math.sqrt(D))
+        self.in_proj_bias = nn.Parameter(torch.randn(3 * D) / 10)
+        self.wo = linear(D, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        w_q, w_kv = self.in_proj_weight.split([D, 2 * D])
+        b_q, b_kv = self.in_proj_bias.split([D, 2 * D])
+        k, v = F.linear(x, w_kv, b_kv).unflatten(-1, (2, D)).unbind(-2)
+        return tuple(t.view(B, T, self.n_heads, self.head_dim)
+                     for t in (F.linear(x, w_q, b_q), k, v))
+
+
 class EinsumAttention(Attention):
     """Flax / Gemma ports: (D, heads, head_dim) Parameters and einsum projections."""
 
