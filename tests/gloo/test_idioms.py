@@ -61,6 +61,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "mamba2_one_group": (2, 4),
     # Falcon-7B's k / v heads picked by list indices: planned as slices of the fused projection
     "fused_qkv_mqa_indexed": (2, 4),
+    # litgpt's one query group: RoPE's cat((-x2, x1)) over the kv head's head_dim halves
+    "fused_qkv_mqa_rotary": (2, 4),
     "t5_relative_bias": (2, 4),        # a (buckets, heads) embedding table cut by heads
     # gradient syncs sharing one all-reduce: Llama 4's scaled routed tokens with the shared
     # expert's input; Gemma 4's per-layer inputs, made before the blocks, with the first block's
@@ -99,7 +101,8 @@ def test_plan_is_megatrons(name, world_size):
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "packed_weight_split",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group",
+                       "bmm_batch_heads_merged", "fused_qkv_mqa", "fused_qkv_mqa_rotary",
+                       "mamba2_one_group",
                        "mlp_normalize_hidden")
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.idioms.skeleton import Attention, D, RMSNorm
+from zoo.idioms.skeleton import Attention, D, RMSNorm, rope_angles, rotate_half
 
 
 class FusedQKV(Attention):
@@ -54,6 +54,38 @@ class FusedMQA(Attention):
         k, v = (t.view(B, T, 1, self.head_dim).expand(B, T, self.n_heads, self.head_dim)
                 for t in (k, v))
         return q.view(B, T, self.n_heads, self.head_dim), k, v
+
+
+class RotaryMQA(FusedMQA):
+    """litgpt with one query group (Falcon): one qkv Linear split on its features into q and
+    ONE k / v head, k / v viewed (B, T, 1, head_dim), RoPE by ``cat((-x2, x1))`` over all of
+    head_dim then ``cat((roped, x[..., rope_n_elem:]))`` with nothing left, and the kv head
+    ``repeat_interleave``d to the query heads."""
+
+    def __init__(self):
+        super().__init__(n_kv_heads=1)
+        emb = torch.cat((rope_angles(self.head_dim),) * 2, dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([D, self.head_dim, self.head_dim], dim=-1)
+        return (q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, 1, self.head_dim),
+                v.view(B, T, 1, self.head_dim))
+
+    def position(self, q, k):
+        T, n = q.shape[1], self.head_dim  # litgpt's rope_n_elem: all of head_dim
+        cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # over heads
+
+        def rope(x):
+            roped = x[..., :n] * cos + rotate_half(x[..., :n]) * sin
+            return torch.cat((roped, x[..., n:]), dim=-1)
+        return rope(q), rope(k)
+
+    def attend(self, q, k, v, *extra):
+        k, v = (t.repeat_interleave(self.n_heads, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class IndexedMQA(Attention):
