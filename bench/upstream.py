@@ -184,9 +184,8 @@ def _versions() -> dict:
 def merged(rows: list[dict], path: Path) -> list[dict]:
     """The rows of the results file ``path`` (its JSON) with ``rows`` measured anew in their
     place, in ``CASES`` order: a few models re-run without re-running the corpus."""
-    old = json.loads(path.read_text())["rows"]
-    for r in old:  # JSON keys are strings: the world sizes back to ints
-        r.update({ws: r.pop(str(ws)) for ws in WORLD_SIZES if str(ws) in r})
+    sizes = {str(ws): ws for ws in WORLD_SIZES}  # JSON keys are strings: back to ints
+    old = [{sizes.get(k, k): v for k, v in r.items()} for r in json.loads(path.read_text())["rows"]]
     by_model = {r["model"]: r for r in old} | {r["model"]: r for r in rows}
     return [by_model[name] for name in CASES if name in by_model]
 
