@@ -2,6 +2,7 @@
 
     nice -n 19 python -m bench.upstream --numerics          # -> results/upstream-<date>.md
     python -m bench.upstream --only torch.TransformerEncoder litgpt.pythia --numerics
+    python -m bench.upstream --only litgpt.pythia --numerics --merge  # into today's results
 
 The libraries come from the package index (``pip install -e '.[bench]'``), never vendored:
 PyTorch's own ``nn.Transformer*`` layers and ``nn.MultiheadAttention``, torchtitan's llama3 /
@@ -180,10 +181,22 @@ def _versions() -> dict:
     return out
 
 
+def merged(rows: list[dict], path: Path) -> list[dict]:
+    """The rows of the results file ``path`` (its JSON) with ``rows`` measured anew in their
+    place, in ``CASES`` order: a few models re-run without re-running the corpus."""
+    sizes = {str(ws): ws for ws in WORLD_SIZES}  # JSON keys are strings: back to ints
+    old = [{sizes.get(k, k): v for k, v in r.items()} for r in json.loads(path.read_text())["rows"]]
+    by_model = {r["model"]: r for r in old} | {r["model"]: r for r in rows}
+    return [by_model[name] for name in CASES if name in by_model]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(CASES), metavar="MODEL")
     parser.add_argument("--numerics", action="store_true", help="also run on 2 and 4 gloo ranks")
+    parser.add_argument("--merge", metavar="DATE", nargs="?", const="today",
+                        help="with --only: replace those rows in results/upstream-DATE.json "
+                             "(default today's) and rewrite it and its .md")
     args = parser.parse_args(argv)
     import torch
 
@@ -196,9 +209,12 @@ def main(argv=None) -> None:
                                       f"{_numerics_cell(rows[-1].get(ws, {}))}"
                                       for ws in WORLD_SIZES), file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
+    if args.merge:
+        date = date if args.merge == "today" else args.merge
+        rows = merged(rows, RESULTS / f"upstream-{date}.json")
     meta = {"date": date, "torch": torch.__version__, "libraries": _versions()}
     text = report_markdown(rows, meta)
-    if not args.only:
+    if not args.only or args.merge:
         (RESULTS / f"upstream-{date}.md").write_text(text)
         (RESULTS / f"upstream-{date}.json").write_text(
             json.dumps({**meta, "rows": rows}, indent=1, default=str))

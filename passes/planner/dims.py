@@ -15,7 +15,7 @@ from torch import fx
 
 from tpcompile.core.placement import Demand, Layout, Misaligned
 
-__all__ = ["val", "shape", "hinted_shape", "size_expr", "view_groups", "split_layout", "merge_layout", "sub_layout",
+__all__ = ["val", "shape", "hinted_shape", "size_expr", "example_size", "view_groups", "split_layout", "merge_layout", "sub_layout",
            "chunk_layout", "tile_layout", "untile_layout", "norm_dim"]
 
 
@@ -44,6 +44,11 @@ def size_expr(s):
         expr = s.node.expr
         return int(expr) if expr.is_number else expr
     return s
+
+
+def example_size(s) -> int:
+    """A size at the example the graph was captured with (a SymInt's hint: no guard added)."""
+    return s if isinstance(s, int) else int(s.node.hint)
 
 
 def norm_dim(d: int, ndim: int) -> int:

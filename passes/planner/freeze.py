@@ -15,9 +15,9 @@ import torch
 from torch import fx
 
 from tpcompile.core.capture import Capture
-from tpcompile.core.placement import Misaligned, Partial, Replicate, Shard, Specs
+from tpcompile.core.placement import Layout, Misaligned, Partial, Replicate, Shard, Specs
 from tpcompile.core.plan import Conversion, ParamPlan, ShardingPlan
-from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.dims import shape, sub_layout, val
 from tpcompile.passes.planner.experts import expert_placements
 from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole_roots
 from tpcompile.passes.planner.propagate import (
@@ -26,7 +26,7 @@ from tpcompile.passes.planner.propagate import (
 from tpcompile.passes.planner.quantized import dequantized_readers
 from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
 from tpcompile.passes.planner.rules import (
-    is_lookup, is_param_matmul, shard_map, weight_out_first,
+    is_lookup, is_param_matmul, piece_of, shard_map, weight_out_first,
 )
 
 __all__ = ["consumed", "freeze", "pulled_back"]
@@ -57,6 +57,8 @@ def _absorb_params(gm, state: Propagation) -> None:
         end = chain[-1]
         wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
         first = wanted[0] if wanted else None  # none: only export's metadata checks read it
+        if chain == [node] and _absorb_pieces(node, state):
+            continue
         if not (isinstance(first, Shard) and all(
                 isinstance(w, Shard) and _same(specs, first, w) for w in wanted)):
             continue
@@ -67,6 +69,46 @@ def _absorb_params(gm, state: Propagation) -> None:
             state.placements[n] = p
         for u in end.users:
             state.conversions.pop((end, u), None)
+
+
+def _absorb_pieces(param: fx.Node, state: Propagation) -> bool:
+    """A parameter split into pieces that each matmul reads sharded as its part of the
+    parameter's root (:func:`~tpcompile.passes.planner.rules.piece_of`: cross-attention's q
+    rows and k / v rows of ``in_proj_weight``) is stored sharded as that root, and the split
+    hands each piece its part (the rewrite splits the rank's rows by their local sizes).
+    False, changing nothing, unless every piece is wanted so."""
+    users, specs = list(param.users), state.specs
+    if len(users) != 1 or not users[0].users:
+        return False
+    split = users[0]
+    wanted = {}
+    for piece in split.users:
+        where = piece_of(piece)
+        want = [state.conversions.get((piece, u)) for u in piece.users if val(u) is not None]
+        if where is None or where[0] is not param or not want or not all(
+                isinstance(w, Shard) and _same(specs, want[0], w) for w in want):
+            return False
+        wanted[piece] = (where, want[0])
+    (_, dim, _, _), first = next(iter(wanted.values()))
+    root = specs.roots.get(first.layout.root)
+    if root is None or root.size != shape(param)[dim]:
+        return False
+    whole = Layout(root.name, root.size)
+    if not all(w.layout.root == root.name and where[1] == w.dim == dim
+               and specs.same(sub_layout(whole, where[2], where[3]), w.layout)
+               for where, w in wanted.values()):
+        return False
+    starts = [0]
+    for out in val(split):
+        starts.append(starts[-1] + int(out.shape[dim]))
+    state.placements[param] = Shard(dim, whole)
+    state.placements[split] = [Shard(dim, sub_layout(whole, a, b))
+                               for a, b in zip(starts, starts[1:])]
+    for piece, (_, w) in wanted.items():
+        state.placements[piece] = w
+        for u in piece.users:
+            state.conversions.pop((piece, u), None)
+    return True
 
 
 def pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | None:

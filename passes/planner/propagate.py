@@ -24,10 +24,10 @@ from torch import fx
 
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
-from tpcompile.passes.planner.dims import shape, val
+from tpcompile.passes.planner.dims import shape, sub_layout, val
 from tpcompile.passes.planner.experts import choose_column, place_experts
 from tpcompile.passes.planner.quantized import dequantized_weight
-from tpcompile.passes.planner.rules import is_view, rule_for, shard_map
+from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +223,11 @@ class OpView:
     def param_behind(self, arg) -> fx.Node | None:
         """The parameter ``arg`` is, or is a view of (through ops the rule table maps dims of,
         each used once), or the quantized weight it dequantizes
-        (:mod:`tpcompile.passes.planner.quantized`): where a column-parallel root may start."""
-        node = arg
+        (:mod:`tpcompile.passes.planner.quantized`): where a column-parallel root may start.
+        A matmul may also read a piece of a parameter split along a dim (:func:`piece_of`);
+        ``root_layout`` then cuts that piece as its part of the parameter's root."""
+        piece = piece_of(arg) if isinstance(arg, fx.Node) else None
+        node = piece[0] if piece is not None and len(arg.users) == 1 else arg
         while isinstance(node, fx.Node) and not self.is_param(node):
             if not is_view(node) or len(node.users) != 1:
                 return dequantized_weight(arg) if isinstance(arg, fx.Node) else None
@@ -270,8 +273,12 @@ class OpView:
         A weight used by several ops (tied embeddings, shared layers) names one root, so every
         use that shards it agrees on the same cut.
         """
-        size = int(shape(w)[dim])
-        name = self.param_behind(w).target  # a view of a parameter is cut as the parameter
+        param = self.param_behind(w)
+        piece = piece_of(w)
+        if piece is not None and (piece[0] is not param or piece[1] != dim):
+            return None  # a piece of a view of it, or cut across another dim than its split's
+        size = int(shape(param if piece is not None else w)[dim])
+        name = param.target  # a view of a parameter is cut as the parameter
         if self.specs.world_size < 2 or size < self.specs.world_size or name in self.constraints.killed:
             return None
         if name not in self.specs.roots:
@@ -279,7 +286,11 @@ class OpView:
             self.specs.roots[name] = RootSpec.build(name, size, self.specs.world_size, mine)
         self._state.roots.setdefault(name, self.node)
         self._state.root_users.setdefault(name, set()).add(self.node)
-        return Layout(name, size)
+        if piece is None:
+            return Layout(name, size)
+        layout = sub_layout(Layout(name, size), piece[2], piece[3])
+        self.require_block(layout)  # each piece is cut on its own, as a fused qkv's chunks
+        return layout
 
 
 def view_chain(node: fx.Node) -> list[fx.Node]:

@@ -39,6 +39,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "fused_qkv_unbind": (2, 4),
     "fused_qkv_timm": (2, 4),
     "fused_qkv_slices": (2, 4),
+    # nn.MultiheadAttention's cross-attention: the weight split into q and k / v rows before
+    # two linears, each piece cut by heads as its part of the weight's one root
+    "packed_weight_split": (2, 4),
     "moe_modulelist_top2": (2, 4),     # Mixtral's loop: index_add_ into zeros_like, one sync per fork
     # complex RoPE, view(bs, seqlen, -1, head_dim), SDPA(enable_gqa=True) with 8 q / 2 kv
     # heads: at 4 ranks each rank reads whole kv heads (replicated kv weights)
@@ -58,6 +61,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "mamba2_one_group": (2, 4),
     # Falcon-7B's k / v heads picked by list indices: planned as slices of the fused projection
     "fused_qkv_mqa_indexed": (2, 4),
+    # litgpt's one query group: RoPE's cat((-x2, x1)) over the kv head's head_dim halves
+    "fused_qkv_mqa_rotary": (2, 4),
     "t5_relative_bias": (2, 4),        # a (buckets, heads) embedding table cut by heads
     # gradient syncs sharing one all-reduce: Llama 4's scaled routed tokens with the shared
     # expert's input; Gemma 4's per-layer inputs, made before the blocks, with the first block's
@@ -94,8 +99,10 @@ def test_plan_is_megatrons(name, world_size):
 # uneven chunks, experts or a statistic, the rest with -m slow (CI time; their 4-rank plans are
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
+                       "packed_weight_split",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group",
+                       "bmm_batch_heads_merged", "fused_qkv_mqa", "fused_qkv_mqa_rotary",
+                       "mamba2_one_group",
                        "mlp_normalize_hidden")
 
 

@@ -1,12 +1,15 @@
 """PyTorch's own transformer layers, bench/upstream.py's CI subset (the whole corpus: ``python
 -m bench.upstream --numerics``): ``nn.TransformerEncoder`` planned at Megatron's bound at 2 and
 4 ranks, and on real gloo ranks the output and every gradient of it and of ``nn.Transformer``
-equal the unsharded model's.
+equal the unsharded model's; ``nn.Transformer`` (its decoder's cross-attention included) is
+planned at the bound too.
 
 ``nn.MultiheadAttention`` packs q, k and v in one ``in_proj_weight`` and takes them apart by
 ``unflatten(-1, (3, E))`` and ``select``, then views (T, B, E) as (T, B * heads, head_dim): each
-rank keeps its heads of all three. The encoder is post-LN: a layer's input-gradient all-reduce
-is counted in the layer before it (the bound is judged by suffix sums, ``hf_sweep``)."""
+rank keeps its heads of all three. Cross-attention splits the weight into q rows and k / v rows
+before two linears: each piece is cut by heads as its part of the weight's one root. The
+encoder is post-LN: a layer's input-gradient all-reduce is counted in the layer before it (the
+bound is judged by suffix sums, ``hf_sweep``)."""
 
 from __future__ import annotations
 
@@ -21,11 +24,13 @@ pytestmark = pytest.mark.dist
 CASES = {
     "torch.TransformerEncoder": (2, 4),         # batch first, post-LN, self-attention
     # encoder + decoder, sequence first: the decoder's cross-attention splits in_proj_weight
-    # into q and kv rows before its two linears, which the planner keeps whole (off the
-    # bound, docs/models.md): exact all the same
+    # into q and kv rows before its two linears, each piece cut by heads
     "torch.Transformer (seq first)": (2,),
 }
-AT_BOUND = {"torch.TransformerEncoder": (2, 4)}  # case -> the world sizes planned at the bound
+AT_BOUND = {  # case -> the world sizes planned at the bound
+    "torch.TransformerEncoder": (2, 4),
+    "torch.Transformer (seq first)": (2, 4),
+}
 
 _runs = LaunchedOnDemand(lambda ws: upstream.run_numerics(
     [name for name, sizes in CASES.items() if ws in sizes], ws))

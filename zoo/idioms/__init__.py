@@ -30,8 +30,8 @@ from zoo.idioms.skeleton import Attention, D, HEADS, HEAD_DIM, LAYERS, LM, SwiGL
 from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, PairStackRoPE, PartialRoPE,
                                   RotateHalfRoPE, T5RelativeBias, TorchtitanAttention)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
-                                    IndexedMQA, MatmulLinear, NormalizedQK, SlicedQKV, TimmQKV,
-                                    WholeQKNorm)
+                                    IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
+                                    SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, InterleavedGateUp, ModuleListMoE,
@@ -131,9 +131,17 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
     ("fused_qkv_timm", lambda: LM(attn=TimmQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
     ("fused_qkv_slices", lambda: LM(attn=SlicedQKV), attention_expect(col=_in_layers("attn.wqkv.weight"))),
+    # each piece of the split weight cut by heads as its part of the one root, bias too
+    ("packed_weight_split", lambda: LM(attn=SplitWeightQKV),
+     attention_expect(col=_in_layers("attn.in_proj_weight", "attn.in_proj_bias"))),
     # q's rows cut by heads, the kv head's rows whole on every rank (its gradient all-reduced
     # once: backward +1), as a separate k / v projection of one head is
     ("fused_qkv_mqa", lambda: LM(attn=FusedMQA),
+     attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
+                      whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
+    # the same with RoPE on the kv head as litgpt writes it: the head_dim halves of a head
+    # whose rows are whole on every rank, rejoined by cat
+    ("fused_qkv_mqa_rotary", lambda: LM(attn=RotaryMQA),
      attention_expect(col=_in_layers("attn.wqkv.weight"), bwd_allreduce_per_layer=3,
                       whole_part=(("layers.*.attn.wqkv.weight", 2 * HEAD_DIM / (D + 2 * HEAD_DIM)),))),
     # the bias table cut by heads with the scores it is added to (no gradient sync of its own)
@@ -240,7 +248,9 @@ STYLES = {
     "fused_qkv_unbind": "one qkv Linear, `view(B, T, 3, H, D).unbind(2)`",
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
     "fused_qkv_slices": "Phi-3 `qkv_proj` cut by uneven slices `qkv[..., :q_pos]` (8 q / 4 kv heads)",
+    "packed_weight_split": "`nn.MultiheadAttention` cross-attention: `in_proj_weight.split([E, 2E])`, one `F.linear` per piece",
     "fused_qkv_mqa": "GPT-BigCode: one `c_attn` for 8 q heads and 1 kv head, `split`, kv `expand`ed",
+    "fused_qkv_mqa_rotary": "litgpt, one query group: qkv `split` on features, k `view(B, T, 1, hd)`, RoPE `cat((-x2, x1))`, `repeat_interleave`",
     "t5_relative_bias": "T5 / CPM-Ant: `nn.Embedding(buckets, heads)` of relative positions added to the scores",
     "fused_qkv_mqa_indexed": "Falcon-7B: `qkv.view(B, T, H + 2, D)`, k / v picked by list indices `qkv[..., [-2], :]`",
     "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
@@ -274,6 +284,7 @@ STYLES = {
 BEYOND_DERIVED_BOUND = {
     "fused_qkv_mqa": "the kv head's rows of one fused c_attn kept whole: their gradient",
     "fused_qkv_mqa_indexed": "the kv heads' rows of one fused qkv kept whole: their gradient",
+    "fused_qkv_mqa_rotary": "the kv head's rows of one fused qkv kept whole: their gradient",
     "mamba2_one_group": "B / C's rows of the fused in_proj kept whole, and the gated norm over "
                         "part of in_proj's features",
 }

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.idioms.skeleton import Attention, D, RMSNorm
+from zoo.idioms.skeleton import Attention, D, RMSNorm, rope_angles, rotate_half
 
 
 class FusedQKV(Attention):
@@ -56,6 +56,38 @@ class FusedMQA(Attention):
         return q.view(B, T, self.n_heads, self.head_dim), k, v
 
 
+class RotaryMQA(FusedMQA):
+    """litgpt with one query group (Falcon): one qkv Linear split on its features into q and
+    ONE k / v head, k / v viewed (B, T, 1, head_dim), RoPE by ``cat((-x2, x1))`` over all of
+    head_dim then ``cat((roped, x[..., rope_n_elem:]))`` with nothing left, and the kv head
+    ``repeat_interleave``d to the query heads."""
+
+    def __init__(self):
+        super().__init__(n_kv_heads=1)
+        emb = torch.cat((rope_angles(self.head_dim),) * 2, dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([D, self.head_dim, self.head_dim], dim=-1)
+        return (q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, 1, self.head_dim),
+                v.view(B, T, 1, self.head_dim))
+
+    def position(self, q, k):
+        T, n = q.shape[1], self.head_dim  # litgpt's rope_n_elem: all of head_dim
+        cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # over heads
+
+        def rope(x):
+            roped = x[..., :n] * cos + rotate_half(x[..., :n]) * sin
+            return torch.cat((roped, x[..., n:]), dim=-1)
+        return rope(q), rope(k)
+
+    def attend(self, q, k, v, *extra):
+        k, v = (t.repeat_interleave(self.n_heads, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class IndexedMQA(Attention):
     """Falcon-7B: one query_key_value Linear viewed per head as (B, T, heads + 2, head_dim),
     its one key and one value head picked by list indices (``qkv[..., [-2], :]``, advanced
@@ -95,6 +127,26 @@ class SlicedQKV(Attention):
 
     def attend(self, q, k, v, *extra):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class SplitWeightQKV(Attention):
+    """``nn.MultiheadAttention``'s cross-attention path (``_in_projection_packed`` when the
+    query is not the key): the packed ``in_proj_weight`` and bias split into q rows and k / v
+    rows *before* two ``F.linear`` calls, the k / v output then taken apart by
+    ``unflatten(-1, (2, D))``. Here both read the block's input, as the skeleton has one."""
+
+    def init_projections(self, linear):
+        self.in_proj_weight = nn.Parameter(torch.randn(3 * D, D) / math.sqrt(D))
+        self.in_proj_bias = nn.Parameter(torch.randn(3 * D) / 10)
+        self.wo = linear(D, D, bias=False)
+
+    def project(self, x):
+        B, T, _ = x.shape
+        w_q, w_kv = self.in_proj_weight.split([D, 2 * D])
+        b_q, b_kv = self.in_proj_bias.split([D, 2 * D])
+        k, v = F.linear(x, w_kv, b_kv).unflatten(-1, (2, D)).unbind(-2)
+        return tuple(t.view(B, T, self.n_heads, self.head_dim)
+                     for t in (F.linear(x, w_q, b_q), k, v))
 
 
 class EinsumAttention(Attention):

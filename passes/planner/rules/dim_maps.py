@@ -20,8 +20,8 @@ from torch import fx
 
 from tpcompile.core.placement import Layout, Shard
 from tpcompile.passes.planner.dims import (
-    chunk_layout, merge_layout, norm_dim, shape, size_expr, split_layout, sub_layout,
-    tile_layout, untile_layout, view_groups,
+    chunk_layout, example_size, merge_layout, norm_dim, shape, size_expr, split_layout,
+    sub_layout, tile_layout, untile_layout, view_groups,
 )
 from tpcompile.passes.planner.rules.table import is_view, rule_for
 
@@ -87,13 +87,20 @@ def _tiled_split(p: Shard, src: list, dst: list, k: int):
     """(outer..., sharded) viewed as (outer * heads, inner...) with sharded = heads * inner:
     the sharded dim split into heads and merged with the whole dims in front, as
     ``nn.MultiheadAttention`` views (T, B, E) as (T, B * heads, head_dim). The first output dim
-    holds ``outer`` tiles of the rank's heads; None for any other regrouping."""
-    if k != len(src) - 1 or k == 0 or len(dst) < 2 or p.layout.tiles != 1 or not all(
-            isinstance(s, int) for s in [src[k], *dst[1:]]):
+    holds ``outer`` tiles of the rank's heads; None for any other regrouping.
+
+    Sizes are compared at the capture's example where symbols differ: cross-attention views
+    the memory's keys with the *query's* batch (``k.view(S, bsz * heads, -1)``), a symbol of
+    another input that export does not equate with the memory's; the view (and the attention
+    after it) fails unless they are equal, and the rank's size is computed from the view's own
+    size argument (``_local_tiles``)."""
+    if k != len(src) - 1 or k == 0 or len(dst) < 2 or p.layout.tiles != 1 or not isinstance(
+            src[k], int) or not all(isinstance(s, (int, torch.SymInt)) for s in dst):
         return None
-    inner = math.prod(dst[1:])
+    inner = math.prod(example_size(s) for s in dst[1:])
     outer = math.prod(size_expr(s) for s in src[:k])  # a dynamic batch: symbolic
-    if src[k] % inner or size_expr(dst[0]) != outer * (src[k] // inner):
+    if src[k] % inner or example_size(dst[0]) != math.prod(
+            example_size(s) for s in src[:k]) * (src[k] // inner):
         return None
     return tile_layout(split_layout(p.layout, src[k] // inner, inner),
                        int(outer) if all(isinstance(s, int) for s in src[:k]) else outer)

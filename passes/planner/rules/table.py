@@ -9,6 +9,7 @@ here depends on which of them has run.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,7 @@ from tpcompile.passes.planner.rules.einsum import _tensor_args
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
            "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul", "is_attention",
-           "flops_of"]
+           "flops_of", "piece_of"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Rule:
       by expert and ``offs`` ends each expert's group; ``w`` stacks the experts on dim 0.
     - ``attention``: scaled-dot-product attention, ``(query, key, value, ...)``: its key and
       value are what a KV cache holds.
+    - ``splits``: it cuts its first input into consecutive pieces along ``args[2]`` (default
+      0), each read through ``getitem`` (``split``, ``chunk``): a matmul reading one piece of
+      a parameter (``nn.MultiheadAttention``'s q rows and k / v rows of ``in_proj_weight``
+      for cross-attention) shards it as that part of the parameter's cut (:func:`piece_of`).
     - ``flops(node)``: ``(FLOPs, operands)`` of one whole call, for the cost model: the
       operands whose shard divides them (None: not counted, as elementwise ops and norms).
     """
@@ -64,6 +69,7 @@ class Rule:
     weight_out_first: bool = False
     grouped: bool = False
     attention: bool = False
+    splits: bool = False
     flops: Callable | None = None
 
 
@@ -161,6 +167,24 @@ def is_grouped_matmul(node: fx.Node) -> bool:
 def is_attention(node: fx.Node) -> bool:
     """Scaled-dot-product attention: ``args[1:3]`` are its key and value."""
     return bool(_fact(node, "attention"))
+
+
+def piece_of(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
+    """``(source, dim, start, stop)`` when ``node`` is piece ``[start, stop)`` along ``dim``
+    of a split whose every user picks a piece (``w.split([E, 2 * E])[1]``); None otherwise."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    split, idx = node.args
+    if not (isinstance(split, fx.Node) and _fact(split, "splits")
+            and isinstance(split.args[0], fx.Node) and isinstance(idx, int)
+            and all(u.target is operator.getitem for u in split.users)):
+        return None
+    pieces = split.meta.get("val")
+    ndim = len(shape(split.args[0]))
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    dim = dim + ndim if dim < 0 else dim
+    start = sum(int(p.shape[dim]) for p in pieces[:idx])
+    return split.args[0], dim, start, start + int(pieces[idx].shape[dim])
 
 
 def flops_of(node: fx.Node) -> tuple[float, list[fx.Node]]:

@@ -69,7 +69,8 @@ def _dim_op(op):
     # a slice of a tensor written in place (``h[..., :2] = 0``) is gathered as before, so the
     # write's own reason keeps its region replicated
     written = chunk and any(v in written_args(u) for v in x.users for u in v.users)
-    small = (chunk and mapped.layout.size < op.specs.world_size
+    empty = chunk and mapped.layout.size == 0  # ``x[..., rd:]`` with rd the whole dim: nothing
+    small = (chunk and not empty and mapped.layout.size < op.specs.world_size
              and (written or not op.specs.is_full(mapped.layout)))
     if small and not written and op.param_behind(x) is None and op.is_chunk(mapped.layout):
         # a chunk of a fused projection too small to split over the ranks (Falcon's one key
@@ -85,7 +86,7 @@ def _dim_op(op):
     # a view into (n, inner) needs the root cut in whole units of inner: say so now (a demand
     # the planner adds), not when the rewrite asks for the rank's size
     op.check_aligned(mapped.layout)
-    if chunk:
+    if chunk and not empty:
         op.require_block(mapped.layout)  # uneven fused chunks (Phi-3's qkv[..., :q_size])
     return mapped
 
@@ -146,7 +147,7 @@ for _target, _map in DIM_MAPS.items():  # one propagation; a map and a localizat
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-          localize=lambda node, local: _localize_split(node, local))
+          localize=lambda node, local: _localize_split(node, local), splits=True)
 def _split(op):
     x = op.node.args[0]
     outs = val(op.node)
@@ -207,11 +208,39 @@ def _cat(op):
     n = len(shape(op.node))
     dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
     if any(isinstance(p, Shard) and p.dim == dim for p in map(op.placement, tensors)):
+        joined = _joined(op, tensors, dim)
+        if joined is not None:
+            return joined
         for t in tensors:  # concatenating along the sharded dim interleaves shards: gather
             op.require(t, Replicate())
         return Replicate()
     operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in tensors]
     return einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
+
+
+def _joined(op, tensors: list, dim: int) -> Shard | None:
+    """A cat along the sharded dim of pieces that, in any order, make up one block of a root
+    (RoPE's ``cat((-x2, x1), -1)`` over a head_dim cut like its halves) runs on each rank's
+    pieces when every rank holds, in each piece, the positions the block's cut gives it at
+    that piece's place in the output: the output is that block (positions, not root indices,
+    are what a shard holds). None where any rank's positions would move."""
+    layouts = [p.layout if isinstance(p, Shard) and p.dim == dim else None
+               for p in map(op.placement, tensors)]
+    if any(lay is None or lay.rep != 1 or lay.copies != 1 or lay.tiles != 1 or lay.cover
+           or (lay.root, lay.scale) != (layouts[0].root, layouts[0].scale) for lay in layouts):
+        return None
+    total = sum(lay.size for lay in layouts)
+    block = Layout(layouts[0].root, total, min(lay.offset for lay in layouts), layouts[0].scale)
+    spans = sorted(lay.covered() for lay in layouts if lay.size)
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or (
+            spans and (spans[0][0], spans[-1][1]) != block.covered()):
+        return None  # not one block: overlapping pieces or a gap
+    start = 0
+    for lay in layouts:
+        if op.specs.ranges(sub_layout(block, start, start + lay.size)) != op.specs.ranges(lay):
+            return None
+        start += lay.size
+    return Shard(dim, block)
 
 
 @register(aten._assert_tensor_metadata.default,
