@@ -49,6 +49,7 @@ from tpcompile.passes.planner.grad_syncs import (
 )
 from tpcompile.passes.planner.freeze import consumed, freeze, pulled_back
 from tpcompile.passes.planner.grouped_experts import whole_grouped_experts
+from tpcompile.passes.planner.looped_experts import whole_looped_experts
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
@@ -117,6 +118,7 @@ def plan_sharding(cap: Capture, world_size: int,
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     plan = whole_grouped_experts(gm, freeze(cap, state, constraints, world_size, needs_grad),
                                  state.experts)
+    plan = whole_looped_experts(gm, plan)
     check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
     return plan, no_rule
 
