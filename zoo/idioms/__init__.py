@@ -266,7 +266,7 @@ STYLES = {
     "swiglu_interleaved_gate_up": "gpt-oss: gate and up features alternate, `h[..., ::2]`, `h[..., 1::2]`",
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
-    "moe_litgpt_index_put": "litgpt Mixtral: a loop over a ModuleList of experts, `y[token_idx] += probs * expert(x[token_idx])` (`index_put_` accumulating)",
+    "moe_litgpt_index_put": "litgpt Mixtral: a loop over a ModuleList of experts, `y[token_idx] += probs * expert(x[token_idx])` (a gather, `add_`, `index_put_` once exported)",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
     "moe_einsum": "stacked experts by `einsum(\"td,ehd->eth\")` over tokens broadcast to them, combined by `einsum(\"te,etd->td\")`",
     "moe_scaled_tokens": "Llama 4: tokens `repeat`ed per expert times sigmoid scores, stacked `(experts, in, out)` gate_up through `bmm`, a shared expert",

@@ -115,7 +115,8 @@ class IndexPutMoE(nn.Module):
     """litgpt's ``LLaMAMoE`` (its Mixtral): top-k of the router's logits softmaxed, one
     boolean mask per expert from comparing the choices with ``arange``, and a loop whose
     indexed write accumulates: ``y[token_idx] += probs[...] * expert(x[token_idx])``
-    (``index_put_`` with ``accumulate=True`` once exported)."""
+    (once exported: a gather ``y[token_idx]``, an in-place ``add_`` and an ``index_put_``
+    writing the rows back)."""
 
     def __init__(self, n_experts: int = 4, top_k: int = 2, hidden: int = 64):
         super().__init__()
