@@ -148,9 +148,9 @@ _ALL = [(name, mode) for name in CASES for mode in MODES]
 
 @pytest.mark.dist
 def test_two_ranks_equal_the_unsharded_model():
-    """Both loops whole on ranks, one uneven; litgpt's loop tensor parallel (Mixtral's is
-    tests/gloo/test_idioms.py's ``moe_modulelist_top2``)."""
-    _check(2, [("index_put_5", "expert"), ("index_add_6", "expert"), ("index_put_4", "tensor")])
+    """Both loops whole on ranks, one uneven (both loops tensor parallel: tests/gloo/
+    test_idioms.py's ``moe_modulelist_top2`` and ``moe_litgpt_index_put``, at 2 and 4)."""
+    _check(2, [("index_put_5", "expert"), ("index_add_6", "expert")])
 
 
 @pytest.mark.dist
