@@ -57,6 +57,7 @@ from tpcompile.passes.prepare.split_bias import split_bias_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
 from tpcompile.passes.rewrite.checkpoint_regions import checkpoint_regions_pass
 from tpcompile.passes.rewrite.clone_converted_writes import clone_converted_writes_pass
+from tpcompile.passes.rewrite.drop_unowned_experts import drop_unowned_experts_pass
 from tpcompile.passes.rewrite.fuse_bias import fuse_bias_pass
 from tpcompile.passes.rewrite.fuse_sequence_linears import fuse_sequence_linears_pass
 from tpcompile.passes.rewrite.insert_collectives import insert_collectives_pass
@@ -89,6 +90,7 @@ REPLAN_PASSES: list[tuple[str, Callable[..., fx.GraphModule | PassResult], tuple
 REWRITE_PASSES: list[tuple[str, Callable[..., fx.GraphModule], tuple[str, ...]]] = [
     ("localize", localize_pass, ("plan", "rank", "group")),  # per-rank ops, shape constants
     ("insert_collectives", insert_collectives_pass, ("plan", "rank", "group")),  # conversions
+    ("drop_unowned_experts", drop_unowned_experts_pass, ("plan", "rank")),  # others' experts
     ("clone_converted_writes", clone_converted_writes_pass, ("plan",)),  # in-place writes local
     ("materialize_params", materialize_params_pass, ("plan", "rank")),  # this rank's shards
     ("fuse_bias", fuse_bias_pass, ()),                       # linear(x, W) + b -> linear(x, W, b)

@@ -49,6 +49,7 @@ from tpcompile.passes.planner.grad_syncs import (
 )
 from tpcompile.passes.planner.freeze import consumed, freeze, pulled_back
 from tpcompile.passes.planner.grouped_experts import whole_grouped_experts
+from tpcompile.passes.planner.looped_experts import whole_looped_experts
 from tpcompile.passes.planner.joins import partials_joining_shards, roots_behind
 from tpcompile.passes.planner.mutations import check_mutations, write_conflicts, written_args
 from tpcompile.passes.planner.propagate import (
@@ -117,6 +118,7 @@ def plan_sharding(cap: Capture, world_size: int,
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     plan = whole_grouped_experts(gm, freeze(cap, state, constraints, world_size, needs_grad),
                                  state.experts)
+    plan = whole_looped_experts(gm, plan)
     check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
     return plan, no_rule
 
@@ -326,30 +328,32 @@ def _partials_reduced_in_pieces(state: Propagation) -> set[str]:
     is made serves every piece (and lets ``dt_proj`` be column-parallel), instead of one
     collective per piece.
     """
-    below: dict[fx.Node, int | None] = {}
+    below: dict[fx.Node, frozenset | None] = {}
 
-    def reductions(node: fx.Node) -> int | None:
-        """Reductions of ``node``'s partial sum downstream; None if a piece leaves otherwise."""
+    def reductions(node: fx.Node) -> frozenset | None:
+        """The reductions of ``node``'s partial sum downstream, as (value, placement read)
+        pairs: a sum carried along several paths that meet again (litgpt's accumulator,
+        gathered from and written into by each expert) is reduced once where they meet.
+        None if a piece leaves otherwise."""
         if node not in below:
-            total, reduced = 0, set()  # consumers reading one placement share one conversion
+            found: set | None = set()
             for user in node.users:
                 read = consumed(state, node, user)
                 if isinstance(read, (Replicate, Shard)):
-                    total += read not in reduced
-                    reduced.add(read)
+                    found.add((node, read))  # consumers reading one placement share one
                     continue
                 if _partial(read) and not _partial(state.placements.get(user)):
                     continue  # not read as data: a metadata check, type_as's dtype operand
                 more = reductions(user) if _partial(read) else None
                 if more is None:
-                    total = None
+                    found = None
                     break
-                total += more
-            below[node] = total
+                found |= more
+            below[node] = None if found is None else frozenset(found)
         return below[node]
 
     def reduced_in_pieces(node: fx.Node) -> bool:
-        return _partial(state.placements.get(node)) and (reductions(node) or 0) >= 2
+        return _partial(state.placements.get(node)) and len(reductions(node) or ()) >= 2
 
     return {n.name for n, p in state.placements.items() if isinstance(p, Partial) and reduced_in_pieces(n)
             and not any(reduced_in_pieces(a) for a in n.all_input_nodes)}

@@ -8,9 +8,9 @@ one more), each rank holds no more than its ``ceil(E / N)`` whole experts, each 
 costs one forward all-reduce, ``explain`` names the placement of each block, and on gloo
 ranks the output and every gradient equal the unsharded model's at two batch / length pairs.
 ``experts="auto"`` picks by the largest rank's share of the expert weights; fewer experts than
-ranks, unknown modes and sequence parallelism get their stated answers; looped experts
-(``ModuleListMoE``) get the same plan under either mode. transformers' grouped-matmul experts:
-tests/gloo/test_grouped_experts.py.
+ranks, unknown modes and sequence parallelism get their stated answers. Looped experts
+(one module per expert): tests/gloo/test_looped_experts.py; transformers' grouped-matmul
+experts: tests/gloo/test_grouped_experts.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import tpcompile
 from tpcompile.tools.launch import run_on_ranks
 from zoo.idioms import LM, ScaledTokensMoE, StackedMoE, example_inputs
-from zoo.idioms.mlps import EinsumMoE, ModuleListMoE
+from zoo.idioms.mlps import EinsumMoE
 
 STACKED = ("w1", "w2", "w3")
 CASES = {  # name -> (model factory, MoE class's stacked weights, expert count)
@@ -144,23 +144,3 @@ def test_outputs_and_every_gradient_equal_the_unsharded_model(world_size):
         out_err = max(r[name][0] for r in per_rank)
         grad_err = max(r[name][1] for r in per_rank)
         assert out_err <= TOLERANCE and grad_err <= TOLERANCE, (name, out_err, grad_err)
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_looped_experts_are_planned_alike_under_either_mode(world_size):
-    """Experts that are separate Linears looped over (``ModuleListMoE``, Mixtral's loop) are
-    no stacked weights: ``experts="expert"`` plans them as ``"tensor"`` does, the plan whose
-    outputs and gradients tests/gloo/test_idioms.py checks at 2 and 4 ranks."""
-    import torch
-
-    plans = {}
-    for mode in ("tensor", "expert"):
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, plans[mode] = tpcompile.plan_model(LM(mlp=ModuleListMoE), example_inputs(),
-                                                  world_size, experts=mode)
-    tensor, expert = plans["tensor"], plans["expert"]
-    assert expert.params == tensor.params and expert.conversions == tensor.conversions
-    assert expert.experts == tensor.experts == {}
-    assert tensor.params["layers.0.mlp.experts.0.w1.weight"].style == "colwise"

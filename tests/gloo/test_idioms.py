@@ -43,6 +43,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # two linears, each piece cut by heads as its part of the weight's one root
     "packed_weight_split": (2, 4),
     "moe_modulelist_top2": (2, 4),     # Mixtral's loop: index_add_ into zeros_like, one sync per fork
+    # litgpt's loop: y[idx] += ... (gather, add_, index_put) sums the experts into one partial
+    "moe_litgpt_index_put": (2, 4),
     # complex RoPE, view(bs, seqlen, -1, head_dim), SDPA(enable_gqa=True) with 8 q / 2 kv
     # heads: at 4 ranks each rank reads whole kv heads (replicated kv weights)
     "torchtitan_llama3": (2, 4),
@@ -100,10 +102,9 @@ def test_plan_is_megatrons(name, world_size):
 # checked above)
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "packed_weight_split",
-                       "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
-                       "bmm_batch_heads_merged", "fused_qkv_mqa", "fused_qkv_mqa_rotary",
-                       "mamba2_one_group",
-                       "mlp_normalize_hidden")
+                       "moe_modulelist_top2", "moe_litgpt_index_put", "qk_norm_whole",
+                       "mamba_selective_scan", "bmm_batch_heads_merged", "fused_qkv_mqa",
+                       "fused_qkv_mqa_rotary", "mamba2_one_group", "mlp_normalize_hidden")
 
 
 def _numerics_params() -> list:

@@ -44,10 +44,12 @@ def test_each_pass_can_be_diffed_on_its_own(llama_diff):
     by_pass = {s.split("\n", 1)[0]: s for s in sections}
     assert list(by_pass) == ["inline_autocast", "drop_dead_code", "split_bias", "constant_index_as_slice",
                              "functionalize_fresh_writes", "decompose_unruled", "localize",
-                             "insert_collectives", "clone_converted_writes", "materialize_params",
+                             "insert_collectives", "drop_unowned_experts",
+                             "clone_converted_writes", "materialize_params",
                              "fuse_bias", "fuse_sequence_linears", "retarget_device"]
     assert "(no change)" in by_pass["inline_autocast"]  # no autocast region in its forward
     assert "(no change)" in by_pass["clone_converted_writes"]  # Llama writes nothing in place
+    assert "(no change)" in by_pass["drop_unowned_experts"]  # nor has looped experts
     assert "(no change)" in by_pass["functionalize_fresh_writes"]  # nor into fresh buffers
     assert "(no change)" in by_pass["split_bias"]  # Llama's linears have no bias
     assert "(no change)" in by_pass["decompose_unruled"]  # every op it shards has a rule

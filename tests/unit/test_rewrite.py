@@ -48,7 +48,7 @@ def test_rewritten_graph_runs_at_world_size_one_per_rank_shapes():
     x = models.example_inputs(model)
     gm, _, records = rewrite(model, x, 1, rank=0, record=True)
     assert [r.name for r in records] == ["localize", "insert_collectives",
-                                         "clone_converted_writes", "materialize_params",
+                                         "drop_unowned_experts", "clone_converted_writes", "materialize_params",
                                          "fuse_bias", "fuse_sequence_linears", "retarget_device"]
     torch.testing.assert_close(gm(*x), model(*x), rtol=0, atol=0)
 

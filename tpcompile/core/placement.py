@@ -143,10 +143,15 @@ class Misaligned(Exception):
 
 @dataclass(frozen=True)
 class Block:
+    """Root indices ``[start, stop)``: split over the ranks in whole ``unit``s, replicated on
+    every rank, or (``owner``) held whole by that one rank and by no other: a looped expert
+    assigned whole (``passes/planner/looped_experts.py``)."""
+
     start: int
     stop: int
     unit: int
     replicated: bool
+    owner: int | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,10 @@ class RootSpec:
         """Per rank, the root index ranges it holds (blocks in order, adjacent ranges merged)."""
         per_rank: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
         for b in self.blocks:
+            if b.owner is not None:
+                for rank, r in enumerate(per_rank):
+                    r.append((b.start, b.stop if rank == b.owner else b.start))
+                continue
             if b.replicated:
                 for r in per_rank:
                     r.append((b.start, b.stop))

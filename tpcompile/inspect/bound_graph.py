@@ -26,8 +26,9 @@ __all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", 
 
 aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
-_SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
-         aten.index_add.default, aten.index_put.default, aten.scatter_add.default,
+_SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+         aten.neg.default, aten.index.Tensor, aten.index_add.default, aten.index_put.default,
+         aten.scatter_add.default,
          aten._to_copy.default, aten.clone.default, aten.sum.dim_IntList}
 # ops whose first input is the value they copy (picked, repeated, scaled)
 _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,

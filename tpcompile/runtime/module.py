@@ -185,12 +185,19 @@ class TPModule(nn.Module):
         """Unsharded gradients of every parameter (a collective: call on all ranks). After
         FSDP2 (``fully_shard_blocks``) a gradient is a DTensor over the data-parallel mesh:
         it is gathered over that mesh first, then over the tensor-parallel group."""
-        return {name: gather_full(_local(p.grad), self._placement(name), self.plan, self.group)
-                for name, p in self.named_parameters() if p.grad is not None}
+        return {name: gather_full(_local(_grad(p)), self._placement(name), self.plan, self.group)
+                for name, p in self.named_parameters() if _grad(p) is not None}
 
     def _placement(self, fqn: str):
         entry = self.plan.by_fqn.get(fqn)
         return None if entry is None else entry.placement
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p``'s gradient, and an empty one for a 0-element placeholder: an expert another rank
+    holds whole, whose work this rank's graph drops (so autograd gives it none), still takes
+    part in the gathers every rank makes."""
+    return torch.zeros_like(p) if p.grad is None and p.numel() == 0 else p.grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,9 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
-from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, InterleavedGateUp, ModuleListMoE,
-                             NormalizedSwiGLU, PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP,
-                             ScaledTokensMoE, StackedMoE)
+from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, IndexPutMoE, InterleavedGateUp,
+                             ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM, RawParamSwiGLU,
+                             ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
 
 __all__ = ["IDIOMS", "EXPECT", "Expect", "STYLES", "LAYERS", "VOCAB", "build", "example_inputs"]
 
@@ -214,6 +214,10 @@ _REGISTRY = [
                                           mlp=partial(SwiGLU, linear=MatmulLinear)), BASELINE),
     ("moe_modulelist_top2", lambda: LM(mlp=ModuleListMoE),
      mlp_expect(*MOE_EXPERTS, **MOE)),
+    ("moe_litgpt_index_put", lambda: LM(mlp=IndexPutMoE),
+     mlp_expect(col=_in_layers("mlp.experts.*.fc_1.weight", "mlp.experts.*.fc_2.weight"),
+                row=_in_layers("mlp.experts.*.proj.weight"),
+                replicated=BASELINE.replicated + _in_layers("mlp.gate.weight"))),
     ("moe_stacked_bmm", lambda: LM(mlp=StackedMoE),
      mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
     # tokens broadcast over the experts (einsum "td,ehd->eth"): the experts are the first dim
@@ -272,6 +276,7 @@ STYLES = {
     "swiglu_interleaved_gate_up": "gpt-oss: gate and up features alternate, `h[..., ::2]`, `h[..., 1::2]`",
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
+    "moe_litgpt_index_put": "litgpt Mixtral: a loop over a ModuleList of experts, `y[token_idx] += probs * expert(x[token_idx])` (a gather, `add_`, `index_put_` once exported)",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
     "moe_einsum": "stacked experts by `einsum(\"td,ehd->eth\")` over tokens broadcast to them, combined by `einsum(\"te,etd->td\")`",
     "moe_scaled_tokens": "Llama 4: tokens `repeat`ed per expert times sigmoid scores, stacked `(experts, in, out)` gate_up through `bmm`, a shared expert",

@@ -99,6 +99,44 @@ class ModuleListMoE(nn.Module):
         return out.view(B, T, C)
 
 
+class FcMLP(nn.Module):
+    """litgpt's ``LLaMAMLP``: ``proj(silu(fc_1(x)) * fc_2(x))``."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.fc_1, self.fc_2 = nn.Linear(D, hidden, bias=False), nn.Linear(D, hidden, bias=False)
+        self.proj = nn.Linear(hidden, D, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+class IndexPutMoE(nn.Module):
+    """litgpt's ``LLaMAMoE`` (its Mixtral): top-k of the router's logits softmaxed, one
+    boolean mask per expert from comparing the choices with ``arange``, and a loop whose
+    indexed write accumulates: ``y[token_idx] += probs[...] * expert(x[token_idx])``
+    (once exported: a gather ``y[token_idx]``, an in-place ``add_`` and an ``index_put_``
+    writing the rows back)."""
+
+    def __init__(self, n_experts: int = 4, top_k: int = 2, hidden: int = 64):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.gate = nn.Linear(D, n_experts, bias=False)
+        self.experts = nn.ModuleList(FcMLP(hidden) for _ in range(n_experts))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        x = x.view(-1, C)
+        probs, indices = torch.topk(self.gate(x), self.top_k)
+        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        masks = (indices.unsqueeze(-1) == torch.arange(self.n_experts, device=x.device))
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks.permute(2, 0, 1), self.experts):
+            token_idx, expert_idx = torch.where(mask)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        return y.view(B, T, C)
+
+
 class StackedMoE(nn.Module):
     """Stacked (experts, out, in) weights applied to every token by bmm, gated densely
     (GShard / dense-dispatch style): no data-dependent shapes."""

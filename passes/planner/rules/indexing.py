@@ -57,7 +57,7 @@ def _index_carries(node: fx.Node, p: Shard):
     return None if p.dim in picked else Shard(out.index(p.dim), p.layout)
 
 
-@register(aten.index.Tensor, carries=_index_carries)
+@register(aten.index.Tensor, carries=_index_carries, keeps_zeros=True)
 def _index(op):
     """``x[i0, i1, ...]`` with index tensors (advanced indexing): gathering rows is linear, so a
     partial ``x`` stays partial, and a shard of a dim no index reads moves to its output dim."""
@@ -69,7 +69,7 @@ def _index(op):
                                       for j, lab in enumerate(out_labels)], linear="mul")
 
 
-@register(aten.index_select.default)
+@register(aten.index_select.default, keeps_zeros=True)
 def _index_select(op):
     """``x.index_select(dim, index)``: rows of one dim picked by a 1-D index (XLNet's relative
     shift). Like ``x[..., index]``: linear in ``x``, a shard of any other dim passes."""

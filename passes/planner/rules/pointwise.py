@@ -14,7 +14,7 @@ from torch import fx
 from tpcompile.core.placement import Partial, Shard
 from tpcompile.runtime.rng import sharded_dropout
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.rules.table import RULES, TAGGED, Rule, register
+from tpcompile.passes.planner.rules.table import RULES, TAGGED, Rule, register, zero_filled
 from tpcompile.passes.planner.rules.einsum import _broadcast_labels, _tensor_args, einsum_rule
 from tpcompile.passes.planner.rules.writes import _in_place
 
@@ -24,11 +24,15 @@ aten = torch.ops.aten
 def _pointwise(linear):
     def propagate(op):
         out = shape(op.node)
-        tensors = _tensor_args(op.node)
-        operands = _broadcast_labels(tensors, out)
-        # a sum of partial sums is one; partial + a number would add the number on every rank
-        kind = None if linear == "add" and len(tensors) < 2 else linear
-        return einsum_rule(op, operands, list(range(len(out))), kind)
+        tensors = kept = _tensor_args(op.node)
+        if linear == "add" and any(isinstance(op.placement(t), Partial) for t in tensors):
+            kept = [t for t in tensors if not zero_filled(t)] or tensors
+        # a sum of partial sums is one, and so is a partial sum plus zeros (left out above);
+        # partial + a number would add the number on every rank
+        kind = linear
+        if linear == "add":
+            kind = "add" if len(kept) > 1 else ("unary" if len(kept) < len(tensors) else None)
+        return einsum_rule(op, _broadcast_labels(kept, out), list(range(len(out))), kind)
     return propagate
 
 

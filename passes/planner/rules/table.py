@@ -22,7 +22,7 @@ from tpcompile.passes.planner.rules.einsum import _tensor_args
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
            "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul", "is_attention",
-           "flops_of", "piece_of"]
+           "flops_of", "piece_of", "ZERO_FILLED", "zero_filled"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Rule:
       0), each read through ``getitem`` (``split``, ``chunk``): a matmul reading one piece of
       a parameter (``nn.MultiheadAttention``'s q rows and k / v rows of ``in_proj_weight``
       for cross-attention) shards it as that part of the parameter's cut (:func:`piece_of`).
+    - ``keeps_zeros``: a zero-filled first input gives a zero-filled output (gathers of its
+      rows: ``zeros[idx]``), as views do; see :func:`zero_filled`.
     - ``flops(node)``: ``(FLOPs, operands)`` of one whole call, for the cost model: the
       operands whose shard divides them (None: not counted, as elementwise ops and norms).
     """
@@ -71,6 +73,7 @@ class Rule:
     attention: bool = False
     splits: bool = False
     flops: Callable | None = None
+    keeps_zeros: bool = False
 
 
 RULES: dict = {}
@@ -137,6 +140,25 @@ def shard_map(node: fx.Node) -> Callable | None:
     if rule.elementwise and len(_tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
         return lambda node, shard: shard
     return None
+
+
+# factories of zero-filled tensors
+ZERO_FILLED = frozenset({torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+                         torch.ops.aten.new_zeros.default})
+
+
+def zero_filled(node) -> bool:
+    """``node`` is all zeros whatever the inputs: a zero factory, or a view or gather
+    (``keeps_zeros``) of one. A replicated zero tensor is every placement at once (each
+    rank's zeros sum to zeros), so a sum may read it as a partial sum: ``y[idx] += v`` into
+    ``y = zeros_like(x)`` (litgpt's expert loop) adds ``v`` to ``zeros[idx]``."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args:
+        if node.target in ZERO_FILLED:
+            return True
+        if not (is_view(node) or _fact(node, "keeps_zeros")):
+            return False
+        node = node.args[0]
+    return False
 
 
 def _fact(node: fx.Node, name: str):

@@ -83,14 +83,20 @@ def _cache_labels(op):
 
 def _index_put(op):
     """``cache[:, :, pos] = v``: ``v`` is laid out as the cache with the indexed dims replaced
-    by the positions' shape; a dim the write keeps (heads) carries its shard into the cache."""
+    by the positions' shape; a dim the write keeps (heads) carries its shard into the cache.
+    Overwriting or accumulating, the write is linear in the pair (rows kept plus rows
+    written), so partial ``x`` and ``v`` stay partial, and a partial ``v`` written into zeros
+    is one: litgpt's ``y[idx] += expert(x[idx])`` sums its row-parallel experts into one
+    partial sum, all-reduced once."""
     labels = _index_put_labels(op)
     if labels is None or _cut_at_positions(op, labels[0]):
         return _replicate_all(op)  # masks, scattered index tensors, positions cut over ranks
     for i in op.node.args[1]:
         if isinstance(i, fx.Node):
             op.require(i, Replicate())
-    return einsum_rule(op, labels, labels[0][1])
+    if _written_partially(op, labels[0][0], labels[1][0]):
+        return Partial()
+    return einsum_rule(op, labels, labels[0][1], linear="add")
 
 
 def _index_put_labels(op):
