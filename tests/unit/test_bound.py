@@ -42,6 +42,8 @@ def test_idiom_bound_is_the_corpus_plan(name):
                 if want == "expert":  # cut by whole experts: Megatron's expert-TP cuts it too
                     want = style if style in ("colwise", "rowwise") else "colwise or rowwise"
                 assert style == want, (ws, w, bound.reasons.get(w))
+                if style != "whole" and name not in idioms.BEYOND_DERIVED_BOUND:  # whole rows
+                    assert 1 - bound.whole_rows.get(w, 0.0) == pytest.approx(expect.cut(w)), w
         want = (expect.fwd_allreduce_per_layer, expect.bwd_allreduce_per_layer)
         (got,) = _counts(bound)
         assert len(bound.blocks) == 2 and not bound.undecided

@@ -11,6 +11,7 @@ activation copies (``root_of``). Nothing here looks at a plan.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,11 +29,15 @@ aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
 _SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
          aten.index_add.default, aten.index_put.default, aten.scatter_add.default,
-         aten._to_copy.default, aten.clone.default, aten.sum.dim_IntList}
+         aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.sum.dim_IntList}
 # ops whose first input is the value they copy (picked, repeated, scaled)
 _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
            aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default, aten.clone.default,
            aten.expand.default}
+# ops that cut a value into pieces (a split's pieces are its getitems)
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
+           aten.unbind.int}
+_PIECES = {aten.slice.Tensor, aten.index.Tensor, aten.narrow.default, aten.select.int}
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
                aten.linalg_vector_norm.default, aten.amax.default}
 
@@ -52,6 +57,7 @@ class Matmul:
     up_of: fx.Node | None = None   # set on an up factor: its down factor
     heads: int | None = None
     statistics: tuple = ()
+    parts: tuple = ()        # (features, heads) of the pieces its output is cut into
 
 
 def _sizes(node: fx.Node) -> list[int | None]:
@@ -130,20 +136,47 @@ def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
     return False
 
 
-def _heads(m: Matmul) -> int | None:
-    """The heads ``m``'s output is viewed as: a view whose trailing dims (heads, head_dim)
-    multiply to the output features, reached through views and same-shape sums and scalings
-    (a LoRA factor's output added to its base's, a cast); None when it is never viewed so."""
-    todo = [m.node]
+def _heads(node: fx.Node, features: int) -> int | None:
+    """The heads ``node``'s ``features`` are viewed as: a view whose trailing dims (heads,
+    head_dim) multiply to them, reached through views and same-shape sums and scalings (a LoRA
+    factor's output added to its base's, a cast); None when they are never viewed so."""
+    todo = [node]
     while todo:
         n = todo.pop()
         dims = _sizes(n)
         for k in range(len(dims) - 2, 0, -1):
-            if None not in dims[k:] and math.prod(dims[k:]) == m.out_features:
+            if None not in dims[k:] and math.prod(dims[k:]) == features:
                 return dims[-2]
         todo.extend(u for u in n.users if is_view(u) or (
-            u.target in _SUMS | {aten.to.dtype} and _sizes(u) == dims))
+            u.target in _SUMS and _sizes(u) == dims))
     return None
+
+
+def _parts(m: Matmul, node: fx.Node) -> tuple[tuple[int, int | None], ...]:
+    """The pieces ``node`` (``m``'s output or a piece of it) is cut into before any computation,
+    reached through views: a fused qkv's q, k and v by ``split``, by slices of its head dim or
+    by list indices (Falcon's ``qkv[..., [-2], :]``). Each as (features, heads it is viewed as),
+    a piece never viewed as heads replaced by its own pieces if it has any; empty when no op
+    cuts ``node``. Whole parts of a fused weight are read from these (``bound``)."""
+    act = _numel(m.activation)
+    out, seen, todo = [], set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        piece = n.target in _PIECES or (n.target is operator.getitem
+                                          and getattr(n.args[0], "target", None) in _SPLITS)
+        if piece and _numel(n) and act:
+            features = _numel(n) * m.in_features // act
+            heads = _heads(n, features)
+            if heads is None:
+                out += list(_parts(m, n)) or [(features, None)]
+            else:
+                out.append((features, heads))
+        elif n.target in _SPLITS or is_view(n):
+            todo.extend(n.users)
+    return tuple(out)
 
 
 def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
@@ -171,7 +204,8 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
         layer = _layer(m.node)
         m.downstream = _nearest(m, by_node, layer, up=False)
         m.router = _reaches(m.node, layer, by_node, aten.topk.default)
-        m.heads, m.statistics = _heads(m), _statistics(m)
+        m.heads, m.statistics = _heads(m.node, m.out_features), _statistics(m)
+        m.parts = _parts(m, m.node)
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
         if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
             continue
