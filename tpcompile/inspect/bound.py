@@ -31,16 +31,17 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   weight) have partial gradients that ride in the sync of the colwise input they are read
   after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read the block's activation: their gradients join
   its all-reduce.
-* A colwise matmul whose output is cut (split, head slices, list indices) into pieces, some
-  viewed as fewer heads than ranks (a fused qkv's one kv head under MQA), keeps those pieces'
-  rows whole (``Bound.whole_rows``): their gradient is a partial sum, one backward all-reduce
-  of its own; a matmul whose every piece is so is whole.
+* A colwise matmul whose output is cut (split, head slices, list indices; inside a piece also
+  after channelwise ops, Mamba-2's depthwise conv1d) into pieces, some viewed as fewer heads
+  than ranks (a fused qkv's one kv head under MQA, Mamba-2's one B / C group), keeps those
+  pieces' rows whole (``Bound.whole_rows``): their gradient is a partial sum, one backward
+  all-reduce of its own; a matmul whose every piece is so is whole. A statistic over all the
+  features of one piece (Mamba-2's gated norm over its z piece) counts as one over the matmul.
 * Ideal parameter bytes per rank: the split weights' bytes / N (their whole rows whole) plus
   the whole ones'.
 
-Pieces are followed from the matmul's output through views only: a piece cut from a later
-value (Mamba-2's B / C, cut from the depthwise conv1d's output) is counted split, so the bound
-is low there (zoo/idioms ``BEYOND_DERIVED_BOUND`` lists the known cases). A matmul whose sizes
+Pieces are followed from the matmul's output only through views, cuts and channelwise ops: a
+piece computed with other values first is not seen, and counted split. A matmul whose sizes
 have no example value is not judged: it is named in ``Bound.undecided`` with the reason.
 """
 

@@ -38,6 +38,9 @@ _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
            aten.unbind.int}
 _PIECES = {aten.slice.Tensor, aten.index.Tensor, aten.narrow.default, aten.select.int}
+# ops that keep each feature its own: activations and casts
+_UNARY = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
+          aten.tanh.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
                aten.linalg_vector_norm.default, aten.amax.default}
 
@@ -152,46 +155,60 @@ def _heads(node: fx.Node, features: int) -> int | None:
     return None
 
 
-def _parts(m: Matmul, node: fx.Node) -> tuple[tuple[int, int | None], ...]:
-    """The pieces ``node`` (``m``'s output or a piece of it) is cut into before any computation,
-    reached through views: a fused qkv's q, k and v by ``split``, by slices of its head dim or
-    by list indices (Falcon's ``qkv[..., [-2], :]``). Each as (features, heads it is viewed as),
-    a piece never viewed as heads replaced by its own pieces if it has any; empty when no op
-    cuts ``node``. Whole parts of a fused weight are read from these (``bound``)."""
+def _is_piece(n: fx.Node) -> bool:
+    return n.target in _PIECES or (n.target is operator.getitem
+                                   and getattr(n.args[0], "target", None) in _SPLITS)
+
+
+def _channelwise(n: fx.Node) -> bool:
+    """An op that keeps each feature its own: an activation or a cast, or a depthwise conv
+    (Mamba's conv1d over xBC, groups = channels)."""
+    if n.target in _UNARY:
+        return True
+    return n.target is aten.conv1d.default and len(n.args) > 6 and \
+        n.args[6] == _sizes(n.args[0])[1]
+
+
+def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | None], ...]:
+    """The pieces ``node`` (``m``'s output, ``features`` wide, or a piece of it) is cut into,
+    reached through views (and, inside a piece, channelwise ops): a fused qkv's q, k and v by
+    ``split``, by slices of its head dim or by list indices (Falcon's ``qkv[..., [-2], :]``);
+    Mamba-2's B / C, cut from xBC after its depthwise conv1d. Each as (features, heads it is
+    viewed as), a piece never viewed as heads replaced by its own pieces if it has any; empty
+    when no op cuts ``node``. Whole rows of a fused weight are read from these (``bound``)."""
     act = _numel(m.activation)
     out, seen, todo = [], set(), list(node.users)
-    while todo:
+    while todo and act:
         n = todo.pop()
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        piece = n.target in _PIECES or (n.target is operator.getitem
-                                          and getattr(n.args[0], "target", None) in _SPLITS)
-        if piece and _numel(n) and act:
-            features = _numel(n) * m.in_features // act
-            heads = _heads(n, features)
-            if heads is None:
-                out += list(_parts(m, n)) or [(features, None)]
-            else:
-                out.append((features, heads))
-        elif n.target in _SPLITS or is_view(n):
+        f = (_numel(n) or 0) * m.in_features // act
+        if _is_piece(n) and 0 < f < features:
+            heads = _heads(n, f)
+            out += [(f, heads)] if heads is not None else list(_parts(m, n, f)) or [(f, None)]
+        elif _is_piece(n) or n.target in _SPLITS or is_view(n) or (
+                node is not m.node and _channelwise(n)):
             todo.extend(n.users)
     return tuple(out)
 
 
 def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
-    """Reductions over every output feature of ``m`` (a norm over the whole projection, not
-    per head), reached through views and elementwise ops."""
+    """Reductions over every output feature of ``m`` or of one of its pieces (a norm over the
+    whole projection, not per head; Mamba-2's gated norm over its z piece), reached through
+    views, pieces and elementwise ops."""
+    widths = {m.out_features} | {f for f, _ in m.parts}
     out, seen, todo = [], set(), list(m.node.users)
     while todo:
         n = todo.pop()
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if (n.target in _STATISTICS and _last(n.args[0]) == m.out_features
-                and _last(n) != m.out_features):
+        if (n.target in _STATISTICS and _last(n.args[0]) in widths
+                and _last(n) != _last(n.args[0])):
             out.append(n)
-        elif is_view(n) or n.target in _SUMS or n.target is aten.pow.Tensor_Scalar:
+        elif is_view(n) or n.target in _SUMS | _SPLITS | _UNARY or _is_piece(n) \
+                or n.target is aten.pow.Tensor_Scalar:
             todo.extend(n.users)
     return tuple(out)
 
@@ -204,8 +221,8 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
         layer = _layer(m.node)
         m.downstream = _nearest(m, by_node, layer, up=False)
         m.router = _reaches(m.node, layer, by_node, aten.topk.default)
-        m.heads, m.statistics = _heads(m.node, m.out_features), _statistics(m)
-        m.parts = _parts(m, m.node)
+        m.heads, m.parts = _heads(m.node, m.out_features), _parts(m, m.node, m.out_features)
+        m.statistics = _statistics(m)
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
         if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
             continue

@@ -270,13 +270,6 @@ STYLES = {
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
 }
-# idioms whose Megatron count goes beyond what tpcompile.inspect.bound derives from whole
-# tensors: what it does not count (tests/unit/test_bound.py asserts it counts less there)
-BEYOND_DERIVED_BOUND = {
-    "mamba2_one_group": "B / C's rows of the fused in_proj kept whole, and the gated norm over "
-                        "part of in_proj's features: B / C are pieces of the depthwise conv1d's "
-                        "output, not of in_proj's, so Matmul.parts does not reach them",
-}
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}
 
