@@ -6,7 +6,7 @@ equal the unsharded model's.
 ``nn.MultiheadAttention`` packs q, k and v in one ``in_proj_weight`` and takes them apart by
 ``unflatten(-1, (3, E))`` and ``select``, then views (T, B, E) as (T, B * heads, head_dim): each
 rank keeps its heads of all three. The encoder is post-LN: a layer's input-gradient all-reduce
-is counted in the layer before it (the bound is judged by suffix sums, ``hf_sweep``)."""
+is counted in the layer before it (the bound is judged by suffix sums, ``bench.hf_verdict``)."""
 
 from __future__ import annotations
 

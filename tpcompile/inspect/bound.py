@@ -119,7 +119,7 @@ def _roles(mms: list[Matmul], world_size: int, layer: str) -> tuple[dict, dict]:
         if not any(role.get(d) == "rowwise" or (role.get(d) == "whole" and _is_up_of_row(d, mms, role))
                    for d in m.downstream):
             role[m.node], why[m.node] = "whole", "its output reaches no row-parallel matmul"
-        elif m.heads is not None and m.heads < world_size:
+        elif m.heads is not None and m.heads < world_size and not _chunks(m):
             role[m.node], why[m.node] = "whole", (
                 f"{m.heads} head(s), fewer than the {world_size} ranks")
         elif whole_rows(m, world_size) == m.out_features:
@@ -136,6 +136,12 @@ def whole_rows(m: Matmul, world_size: int) -> int:
     cut into (``Matmul.parts``) that are viewed as fewer heads than ranks (a fused qkv's one
     kv head). Their weight rows' gradient is a partial sum: one all-reduce of its own."""
     return sum(f for f, heads in m.parts if heads is not None and heads < world_size)
+
+
+def _chunks(m: Matmul) -> bool:
+    """``m``'s "heads" are chunks it is cut into (``nn.MultiheadAttention``'s q, k and v by
+    ``unflatten(-1, (3, E))`` and ``select``): as many equal pieces as the view's heads."""
+    return len(m.parts) == m.heads and {f for f, _ in m.parts} == {m.out_features // m.heads}
 
 
 def _summed_with_row(down: Matmul, mms: list[Matmul], layer: str) -> bool:

@@ -156,8 +156,25 @@ def _heads(node: fx.Node, features: int) -> int | None:
 
 
 def _is_piece(n: fx.Node) -> bool:
-    return n.target in _PIECES or (n.target is operator.getitem
-                                   and getattr(n.args[0], "target", None) in _SPLITS)
+    """A cut of a value into pieces; not a cut of the last dim of a value viewed per head
+    (rotary's halves of each head's features)."""
+    src = n.args[0] if n.target in _PIECES else getattr(n.args[0], "args", (None,))[0] \
+        if n.target is operator.getitem else None
+    if not isinstance(src, fx.Node) or not (n.target in _PIECES or getattr(
+            n.args[0], "target", None) in _SPLITS):
+        return False
+    cut = n.args[0] if n.target is operator.getitem else n
+    dims = _sizes(src)
+    at = 2 if cut.target in (aten.split_with_sizes.default, aten.split.Tensor,
+                             aten.chunk.default) else 1  # where the op takes its dim
+    dim = cut.args[at] if len(cut.args) > at and cut.target is not aten.index.Tensor else 0
+    return not (len(dims) >= 4 and isinstance(dim, int) and dim % len(dims) == len(dims) - 1)
+
+
+def _bias_add(n: fx.Node) -> bool:
+    """An add of a stored tensor (a bias added after the matmul, ``nn.MultiheadAttention``)."""
+    return n.target is aten.add.Tensor and any(
+        (found := stored_inputs(a)) is not None and found[0] for a in n.all_input_nodes)
 
 
 def _channelwise(n: fx.Node) -> bool:
@@ -188,7 +205,8 @@ def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | No
             heads = _heads(n, f)
             out += [(f, heads)] if heads is not None else list(_parts(m, n, f)) or [(f, None)]
         elif _is_piece(n) or n.target in _SPLITS or is_view(n) or (
-                node is not m.node and _channelwise(n)):
+                node is not m.node and _channelwise(n)) or (
+                f == features and (n.target is aten.contiguous.default or _bias_add(n))):
             todo.extend(n.users)
     return tuple(out)
 
