@@ -13,7 +13,7 @@ GQA, intermediate 128, vocab 256), float32, random init under ``torch.manual_see
 mode, dropout 0; token models take ids 2 x 16, ``nn`` layers a float batch 2 x 16 x 64.
 
 Each model is planned by ``tpcompile.explain`` at 2 and 4 ranks and judged as
-bench/hf_sweep.py judges a transformers family (``hf_sweep.plan_row``: per-layer collectives
+bench/hf_sweep.py judges a transformers family (``hf_verdict.plan_row``: per-layer collectives
 against Megatron's bound, weights Megatron shards left whole, parameter bytes against the
 ideal split); with ``--numerics`` it also runs on 2 and 4 gloo ranks against the unsharded
 model (``tpcompile.tools.numerics.compare``: the output and every gradient, exact at <= 1e-5).
@@ -33,7 +33,9 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.hf_sweep import _first_line, _numerics_cell, plan_row
+from bench.hf_configs import first_line
+from bench.hf_report import numerics_cell
+from bench.hf_verdict import plan_row
 from bench.upstream_models import CASES, build
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -60,7 +62,7 @@ def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
                 tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs or None)
                 c = compare(model, tp, inputs, kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - a rank's failure is the row's numerics cell
-            out[name] = {"error": _first_line(e)}
+            out[name] = {"error": first_line(e)}
             continue
         worst = max(c.grad_errs.items(), key=lambda kv: kv[1]) if c.grad_errs else ("", 0.0)
         out[name] = {"output_err": c.output_err, "max_grad_err": worst[1],
@@ -78,7 +80,7 @@ def run_numerics(names: list[str], world_size: int) -> dict[str, dict]:
                                 timeout=300 * len(names))
     except Exception as e:  # noqa: BLE001 - a rank's traceback: keep its exception line
         raised = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
-        return {name: {"error": raised[-1][:300] if raised else _first_line(e)} for name in names}
+        return {name: {"error": raised[-1][:300] if raised else first_line(e)} for name in names}
     return {name: _worst([r[name] for r in per_rank]) for name in names}
 
 
@@ -94,7 +96,7 @@ def _worst(per_rank: list[dict]) -> dict:
 
 
 def plan_at(name: str, world_size: int, built: tuple | None = None) -> dict:
-    """Case ``name``'s plan at ``world_size`` ranks, judged as ``hf_sweep.plan_row`` judges one."""
+    """Case ``name``'s plan at ``world_size`` ranks, judged as ``hf_verdict.plan_row`` judges one."""
     model, inputs, kwargs, shape = built or build(name)
     return plan_row({"family": name}, model, inputs, SimpleNamespace(**shape), world_size,
                     kwargs or None)
@@ -110,9 +112,9 @@ def measure(name: str, numerics: bool) -> dict:
         with torch.no_grad():
             model(*inputs, **kwargs)
     except ImportError as e:
-        return {**row, "status": "not importable", "why": _first_line(e)}
+        return {**row, "status": "not importable", "why": first_line(e)}
     except Exception as e:  # noqa: BLE001 - a model that does not run unsharded here
-        return {**row, "status": "not built", "why": _first_line(e),
+        return {**row, "status": "not built", "why": first_line(e),
                 "trace": traceback.format_exc()[-2000:]}
     for ws in WORLD_SIZES:
         plan = plan_at(name, ws, (model, inputs, kwargs, shape))
@@ -164,7 +166,7 @@ def report_markdown(rows, meta) -> str:
             lines.append(f"| {r['model']} | {r['library']} | {r['status']}: "
                          f"{r.get('why', '')[:160].replace('|', '/')} | - | - | - |")
             continue
-        cells = [c for ws in WORLD_SIZES for c in (_plan_cell(r.get(ws)), _numerics_cell(r[ws]))]
+        cells = [c for ws in WORLD_SIZES for c in (_plan_cell(r.get(ws)), numerics_cell(r[ws]))]
         lines.append(f"| {r['model']} | {r['library']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -206,7 +208,7 @@ def main(argv=None) -> None:
     for name in args.only or list(CASES):
         rows.append(measure(name, args.numerics))
         print(f"{name}: " + ", ".join(f"{ws}: {_plan_cell(rows[-1].get(ws))} "
-                                      f"{_numerics_cell(rows[-1].get(ws, {}))}"
+                                      f"{numerics_cell(rows[-1].get(ws, {}))}"
                                       for ws in WORLD_SIZES), file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
     if args.merge:

@@ -2,8 +2,8 @@
 
 A case's builder returns ``(model, inputs, kwargs, shape)``: the model at the tiny sizes below
 under ``torch.manual_seed(0)`` in train mode, its example inputs, and ``shape``, the fields
-``hf_sweep._megatron_shards`` reads (heads, KV heads, layers, experts) to know what Megatron
-would shard. Libraries are imported inside the builders: a missing one is that row's
+the model's sizes (heads, KV heads, layers, experts; ``hf_verdict.plan_row`` reads its
+layers). Libraries are imported inside the builders: a missing one is that row's
 ``ImportError``, never the corpus's.
 """
 

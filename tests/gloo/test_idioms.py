@@ -92,8 +92,7 @@ def test_plan_is_megatrons(name, world_size):
     assert row["param_bytes_max_rank"] <= row["param_bytes_ideal"] * 1.005, row
     assert row["at_megatron_bound"], (row["per_layer"], row["outside_layers"], row["gathers"])
     assert not row["kept_whole"], row["kept_whole"]  # weights the derived bound splits
-    if name not in idioms.BEYOND_DERIVED_BOUND:
-        assert row["derived_bound"] == row["megatron_bound"], row
+    assert row["derived_bound"] == row["megatron_bound"], row
     assert not row["fallbacks"], row["fallbacks"]
 
 

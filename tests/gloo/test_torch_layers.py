@@ -9,7 +9,7 @@ planned at the bound too.
 rank keeps its heads of all three. Cross-attention splits the weight into q rows and k / v rows
 before two linears: each piece is cut by heads as its part of the weight's one root. The
 encoder is post-LN: a layer's input-gradient all-reduce is counted in the layer before it (the
-bound is judged by suffix sums, ``hf_sweep``)."""
+bound is judged by suffix sums, ``bench.hf_verdict``)."""
 
 from __future__ import annotations
 

@@ -304,3 +304,23 @@ def test_bucketed_gradient_sync_of_data_dependent_sizes_reports_a_symbolic_messa
     for n, val in zip(nodes, static):
         n.meta["val"] = val
     assert _message_shape(call, static[0]) == [40]
+
+
+def test_weights_the_bound_could_not_judge_are_named_never_at_the_bound_silently(llama2):
+    """``Bound.undecided`` reaches the row of its layer: the text and HTML verdicts name each
+    weight with its reason instead of a bare "at the bound", and JSON keeps them."""
+    from dataclasses import replace
+
+    from tpcompile.inspect import explain_html
+
+    why = "layers.1.attention.wq.weight: its matmul's features have no example size"
+    rows = [replace(m, undecided=[why] if m.layer == "layers.1" else []) for m in llama2.megatron]
+    report = replace(llama2, megatron=rows)
+    text = str(report)
+    assert f"-> at the bound; 1 weight(s) not judged, the bound counts without them: {why}" in text
+    assert "-> at the bound\n" not in text + "\n"
+    assert Report.from_json(report.to_json()) == report
+    assert json.loads(report.to_json())["megatron"][1]["undecided"] == [why]
+    html = explain_html._megatron(report)
+    assert '<p class="over">' in html and "not judged" in html
+    assert '<p class="ok">' in explain_html._megatron(llama2)

@@ -31,12 +31,18 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   weight) have partial gradients that ride in the sync of the colwise input they are read
   after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read the block's activation: their gradients join
   its all-reduce.
-* Ideal parameter bytes per rank: the split weights' bytes / N plus the whole ones'.
+* A colwise matmul whose output is cut (split, head slices, list indices; inside a piece also
+  after channelwise ops, Mamba-2's depthwise conv1d) into pieces, some viewed as fewer heads
+  than ranks (a fused qkv's one kv head under MQA, Mamba-2's one B / C group), keeps those
+  pieces' rows whole (``Bound.whole_rows``): their gradient is a partial sum, one backward
+  all-reduce of its own; a matmul whose every piece is so is whole. A statistic over all the
+  features of one piece (Mamba-2's gated norm over its z piece) counts as one over the matmul.
+* Ideal parameter bytes per rank: the split weights' bytes / N (their whole rows whole) plus
+  the whole ones'.
 
-What it reads from whole tensors only, it cannot see inside one: a fused weight's chunk that
-Megatron keeps whole (the kv rows of one qkv under MQA) is counted split, so the bound is low
-there (zoo/idioms ``BEYOND_DERIVED_BOUND`` lists the known cases). A matmul whose sizes have no
-example value is not judged: it is named in ``Bound.undecided`` with the reason.
+Pieces are followed from the matmul's output only through views, cuts and channelwise ops: a
+piece computed with other values first is not seen, and counted split. A matmul whose sizes
+have no example value is not judged: it is named in ``Bound.undecided`` with the reason.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ class Bound:
     ideal_bytes: float       # parameter bytes per rank under Megatron's plan
     world_size: int = 1
     undecided: list = field(default_factory=list)  # weights not judged, each with the reason
+    # colwise weights with a part Megatron keeps whole (a fused qkv's kv rows under MQA):
+    # weight -> the fraction of its rows kept whole
+    whole_rows: dict = field(default_factory=dict)
 
     def split(self) -> list[str]:
         return sorted(w for w, s in self.styles.items() if s != "whole")
@@ -110,13 +119,29 @@ def _roles(mms: list[Matmul], world_size: int, layer: str) -> tuple[dict, dict]:
         if not any(role.get(d) == "rowwise" or (role.get(d) == "whole" and _is_up_of_row(d, mms, role))
                    for d in m.downstream):
             role[m.node], why[m.node] = "whole", "its output reaches no row-parallel matmul"
-        elif m.heads is not None and m.heads < world_size:
+        elif m.heads is not None and m.heads < world_size and not _chunks(m):
             role[m.node], why[m.node] = "whole", (
                 f"{m.heads} head(s), fewer than the {world_size} ranks")
+        elif whole_rows(m, world_size) == m.out_features:
+            role[m.node], why[m.node] = "whole", (
+                f"every piece of its output has fewer heads than the {world_size} ranks")
         elif m.out_features % world_size:
             role[m.node], why[m.node] = "whole", (
                 f"{m.out_features} output features do not divide over {world_size} ranks")
     return role, why
+
+
+def whole_rows(m: Matmul, world_size: int) -> int:
+    """Output features of a colwise ``m`` that Megatron keeps whole: the pieces its output is
+    cut into (``Matmul.parts``) that are viewed as fewer heads than ranks (a fused qkv's one
+    kv head). Their weight rows' gradient is a partial sum: one all-reduce of its own."""
+    return sum(f for f, heads in m.parts if heads is not None and heads < world_size)
+
+
+def _chunks(m: Matmul) -> bool:
+    """``m``'s "heads" are chunks it is cut into (``nn.MultiheadAttention``'s q, k and v by
+    ``unflatten(-1, (3, E))`` and ``select``): as many equal pieces as the view's heads."""
+    return len(m.parts) == m.heads and {f for f, _ in m.parts} == {m.out_features // m.heads}
 
 
 def _summed_with_row(down: Matmul, mms: list[Matmul], layer: str) -> bool:
@@ -147,11 +172,13 @@ def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int, set]:
             set().union(*reach.values()))
 
 
-def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> BlockBound:
+def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
+           world_size: int) -> BlockBound:
     """Forward groups and statistics; backward activations and statistics' gradients. The
     whole weights read where features are cut add bytes, not an all-reduce: they are read
     after a colwise matmul, so their partial gradients ride in that matmul's input sync (an
-    all-reduce of their own only in a block with no colwise input to sync)."""
+    all-reduce of their own only in a block with no colwise input to sync). A colwise weight
+    with whole rows (``whole_rows``) adds one all-reduce of those rows' gradient."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
     passing = {m.node for m in mms if role.get(m.node) == "whole" and m.up is not None}
     cols = [m for m in mms if role.get(m.node) == "colwise"]
@@ -159,9 +186,13 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset) -> B
     stats = {s for m in cols for s in m.statistics}
     whole = whole_read(layer, cols, mms, trainable)
     sizes = {n: value_bytes(n) for n in roots | stats}
-    return BlockBound(layer, forward + len(stats), len(roots) + bool(stats) + bool(whole and not roots),
+    fused = [(m, whole_rows(m, world_size)) for m in cols]
+    fused = [m.node.meta["val"].dtype.itemsize * rows * m.in_features for m, rows in fused if rows]
+    return BlockBound(layer, forward + len(stats),
+                      len(roots) + bool(stats) + bool(whole and not roots) + len(fused),
                       forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
-                      + sum(value_bytes(w) for w in whole), tuple(sorted({w.target for w in whole})),
+                      + sum(value_bytes(w) for w in whole) + sum(fused),
+                      tuple(sorted({w.target for w in whole})),
                       {"forward": tuple(sorted(n.name for n in partial | stats)),
                        "backward": tuple(sorted(n.name for n in roots | stats))})
 
@@ -175,7 +206,7 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
     by_layer: dict[str, list[Matmul]] = {}
     for m in mms:
         by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
-    styles, reasons, blocks = {}, {}, {}
+    styles, reasons, blocks, whole_part = {}, {}, {}, {}
     for layer, group in by_layer.items():
         if not layer:
             for m in group:
@@ -193,14 +224,19 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
                 styles[b] = "colwise" if style == "colwise" else "whole"
                 if styles[b] == "whole":
                     reasons[b] = why.get(m.node, "a row-parallel matmul's bias is added after the sum")
-        blocks[layer] = _block(layer, group, role, cap.trainable)
-    ideal = _ideal_bytes(cap, styles, world_size)
-    return Bound(styles, reasons, blocks, ideal, world_size, undecided)
+        blocks[layer] = _block(layer, group, role, cap.trainable, world_size)
+        for m in group:
+            rows = whole_rows(m, world_size) if role[m.node] == "colwise" else 0
+            for w in m.weights + m.biases if rows else ():
+                whole_part[w] = rows / m.out_features
+    ideal = _ideal_bytes(cap, styles, whole_part, world_size)
+    return Bound(styles, reasons, blocks, ideal, world_size, undecided, whole_part)
 
 
-def _ideal_bytes(cap: Capture, styles: dict, world_size: int) -> float:
+def _ideal_bytes(cap: Capture, styles: dict, whole_part: dict, world_size: int) -> float:
     """Every parameter and quantized weight tensor (what explain's parameter bytes count) once:
-    split ones / N, the rest whole (aliases of a tied weight once)."""
+    split ones / N (but their ``whole_part`` whole), the rest whole (aliases of a tied weight
+    once)."""
     seen, total, counted = set(), 0.0, cap.params | quantized_weights(cap.gm)
     for n in cap.gm.graph.find_nodes(op="get_attr"):
         names = cap.aliases.get(n.target, (n.target,))
@@ -208,5 +244,9 @@ def _ideal_bytes(cap: Capture, styles: dict, world_size: int) -> float:
             continue
         seen.add(names)
         size = value_bytes(n)
-        total += size / world_size if styles.get(n.target, "whole") != "whole" else size
+        if styles.get(n.target, "whole") == "whole":
+            total += size
+        else:
+            part = whole_part.get(n.target, 0.0)
+            total += size * (1 - part) / world_size + size * part
     return total

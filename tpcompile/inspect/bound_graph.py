@@ -11,6 +11,7 @@ activation copies (``root_of``). Nothing here looks at a plan.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,12 +29,19 @@ aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
 _SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
          aten.neg.default, aten.index.Tensor, aten.index_add.default, aten.index_put.default,
-         aten.scatter_add.default,
-         aten._to_copy.default, aten.clone.default, aten.sum.dim_IntList}
+         aten.scatter_add.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
+         aten.sum.dim_IntList}
 # ops whose first input is the value they copy (picked, repeated, scaled)
 _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
            aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default, aten.clone.default,
            aten.expand.default}
+# ops that cut a value into pieces (a split's pieces are its getitems)
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
+           aten.unbind.int}
+_PIECES = {aten.slice.Tensor, aten.index.Tensor, aten.narrow.default, aten.select.int}
+# ops that keep each feature its own: activations and casts
+_UNARY = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
+          aten.tanh.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
                aten.linalg_vector_norm.default, aten.amax.default}
 
@@ -53,6 +61,7 @@ class Matmul:
     up_of: fx.Node | None = None   # set on an up factor: its down factor
     heads: int | None = None
     statistics: tuple = ()
+    parts: tuple = ()        # (features, heads) of the pieces its output is cut into
 
 
 def _sizes(node: fx.Node) -> list[int | None]:
@@ -131,35 +140,94 @@ def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
     return False
 
 
-def _heads(m: Matmul) -> int | None:
-    """The heads ``m``'s output is viewed as: a view whose trailing dims (heads, head_dim)
-    multiply to the output features, reached through views and same-shape sums and scalings
-    (a LoRA factor's output added to its base's, a cast); None when it is never viewed so."""
-    todo = [m.node]
+def _heads(node: fx.Node, features: int) -> int | None:
+    """The heads ``node``'s ``features`` are viewed as: a view whose trailing dims (heads,
+    head_dim) multiply to them, reached through views and same-shape sums and scalings (a LoRA
+    factor's output added to its base's, a cast); None when they are never viewed so."""
+    todo = [node]
     while todo:
         n = todo.pop()
         dims = _sizes(n)
         for k in range(len(dims) - 2, 0, -1):
-            if None not in dims[k:] and math.prod(dims[k:]) == m.out_features:
+            if None not in dims[k:] and math.prod(dims[k:]) == features:
                 return dims[-2]
         todo.extend(u for u in n.users if is_view(u) or (
-            u.target in _SUMS | {aten.to.dtype} and _sizes(u) == dims))
+            u.target in _SUMS and _sizes(u) == dims))
     return None
 
 
+def _is_piece(n: fx.Node) -> bool:
+    """A cut of a value into pieces; not a cut of the last dim of a value viewed per head
+    (rotary's halves of each head's features)."""
+    src = n.args[0] if n.target in _PIECES else getattr(n.args[0], "args", (None,))[0] \
+        if n.target is operator.getitem else None
+    if not isinstance(src, fx.Node) or not (n.target in _PIECES or getattr(
+            n.args[0], "target", None) in _SPLITS):
+        return False
+    cut = n.args[0] if n.target is operator.getitem else n
+    dims = _sizes(src)
+    at = 2 if cut.target in (aten.split_with_sizes.default, aten.split.Tensor,
+                             aten.chunk.default) else 1  # where the op takes its dim
+    dim = cut.args[at] if len(cut.args) > at and cut.target is not aten.index.Tensor else 0
+    return not (len(dims) >= 4 and isinstance(dim, int) and dim % len(dims) == len(dims) - 1)
+
+
+def _bias_add(n: fx.Node) -> bool:
+    """An add of a stored tensor (a bias added after the matmul, ``nn.MultiheadAttention``)."""
+    return n.target is aten.add.Tensor and any(
+        (found := stored_inputs(a)) is not None and found[0] for a in n.all_input_nodes)
+
+
+def _channelwise(n: fx.Node) -> bool:
+    """An op that keeps each feature its own: an activation or a cast, or a depthwise conv
+    (Mamba's conv1d over xBC, groups = channels)."""
+    if n.target in _UNARY:
+        return True
+    return n.target is aten.conv1d.default and len(n.args) > 6 and \
+        n.args[6] == _sizes(n.args[0])[1]
+
+
+def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | None], ...]:
+    """The pieces ``node`` (``m``'s output, ``features`` wide, or a piece of it) is cut into,
+    reached through views (and, inside a piece, channelwise ops): a fused qkv's q, k and v by
+    ``split``, by slices of its head dim or by list indices (Falcon's ``qkv[..., [-2], :]``);
+    Mamba-2's B / C, cut from xBC after its depthwise conv1d. Each as (features, heads it is
+    viewed as), a piece never viewed as heads replaced by its own pieces if it has any; empty
+    when no op cuts ``node``. Whole rows of a fused weight are read from these (``bound``)."""
+    act = _numel(m.activation)
+    out, seen, todo = [], set(), list(node.users)
+    while todo and act:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        f = (_numel(n) or 0) * m.in_features // act
+        if _is_piece(n) and 0 < f < features:
+            heads = _heads(n, f)
+            out += [(f, heads)] if heads is not None else list(_parts(m, n, f)) or [(f, None)]
+        elif _is_piece(n) or n.target in _SPLITS or is_view(n) or (
+                node is not m.node and _channelwise(n)) or (
+                f == features and (n.target is aten.contiguous.default or _bias_add(n))):
+            todo.extend(n.users)
+    return tuple(out)
+
+
 def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
-    """Reductions over every output feature of ``m`` (a norm over the whole projection, not
-    per head), reached through views and elementwise ops."""
+    """Reductions over every output feature of ``m`` or of one of its pieces (a norm over the
+    whole projection, not per head; Mamba-2's gated norm over its z piece), reached through
+    views, pieces and elementwise ops."""
+    widths = {m.out_features} | {f for f, _ in m.parts}
     out, seen, todo = [], set(), list(m.node.users)
     while todo:
         n = todo.pop()
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if (n.target in _STATISTICS and _last(n.args[0]) == m.out_features
-                and _last(n) != m.out_features):
+        if (n.target in _STATISTICS and _last(n.args[0]) in widths
+                and _last(n) != _last(n.args[0])):
             out.append(n)
-        elif is_view(n) or n.target in _SUMS or n.target is aten.pow.Tensor_Scalar:
+        elif is_view(n) or n.target in _SUMS | _SPLITS | _UNARY or _is_piece(n) \
+                or n.target is aten.pow.Tensor_Scalar:
             todo.extend(n.users)
     return tuple(out)
 
@@ -172,7 +240,8 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
         layer = _layer(m.node)
         m.downstream = _nearest(m, by_node, layer, up=False)
         m.router = _reaches(m.node, layer, by_node, aten.topk.default)
-        m.heads, m.statistics = _heads(m), _statistics(m)
+        m.heads, m.parts = _heads(m.node, m.out_features), _parts(m, m.node, m.out_features)
+        m.statistics = _statistics(m)
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
         if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
             continue

@@ -81,7 +81,8 @@ def _megatron(report) -> str:
     rows.append(("<b>total</b>", sum(len(m.chains) for m in report.megatron),
                  f"{tot[0]} / {tot[1]}", f"{tot[2]:,}", f"{tot[3]} / {tot[4]}", f"{tot[5]:,}"))
     said = bound_verdict(report.megatron)
-    verdict = f'<p class="{"over" if said.startswith("above") else "ok"}">{escape(said)}.</p>'
+    judged = not said.startswith("above") and not any(m.undecided for m in report.megatron)
+    verdict = f'<p class="{"ok" if judged else "over"}">{escape(said)}.</p>'
     return _table(("layer", "chains", "bound fwd / bwd", "bound bytes", "actual fwd / bwd",
                    "actual bytes"), rows, {1, 3, 5}) + verdict
 

@@ -60,6 +60,9 @@ class LayerTraffic:
     backward: int
     bytes: int
     whole: list = field(default_factory=list)   # weights Megatron splits, kept whole by the plan
+    # weights the bound could not judge ("weight: reason", Bound.undecided): the layer's bound
+    # counts without them, so a verdict over it names them instead of claiming the bound
+    undecided: list = field(default_factory=list)
 
     def above(self) -> bool:
         """More collectives than Megatron's, or a weight it splits left whole."""
@@ -153,6 +156,8 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
         entry = trace.plan.params.get(name)
         if entry is not None and (entry.style == "replicate" or not isinstance(entry.placement, Shard)):
             row(layer_of(name))["whole"].append(name)
+    for item in trace.bound.undecided:
+        row(layer_of(item.partition(":")[0]))["undecided"].append(item)
     for c in collectives:
         r = row(c.layer)
         r[c.phase] += 1
@@ -165,7 +170,8 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
 
 def bound_verdict(rows: list[LayerTraffic]) -> str:
     """'at the bound', or 'above the bound: ...' with the collectives paid beyond it and the
-    weights Megatron splits that the plan keeps whole."""
+    weights Megatron splits that the plan keeps whole; either followed by the weights the bound
+    could not judge, if any (the plan is at the bound only for the weights it judged)."""
     forward = sum(max(0, m.forward - m.bound_forward) for m in rows)
     backward = sum(max(0, m.backward - m.bound_backward) for m in rows)
     whole = [w for m in rows for w in m.whole]
@@ -175,10 +181,14 @@ def bound_verdict(rows: list[LayerTraffic]) -> str:
     if whole:
         shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
         over.append(f"{len(whole)} weight tensor(s) Megatron splits kept whole ({shown})")
-    if over:
-        return "above the bound: " + "; ".join(over)
     extra = sum(m.bytes - m.bound_bytes for m in rows)
-    return "at the bound" + (f" ({extra:+,} bytes)" if extra else "")
+    said = ("above the bound: " + "; ".join(over) if over
+            else "at the bound" + (f" ({extra:+,} bytes)" if extra else ""))
+    undecided = [u for m in rows for u in m.undecided]
+    if undecided:
+        said += (f"; {len(undecided)} weight(s) not judged, the bound counts without them: "
+                 + "; ".join(undecided))
+    return said
 
 
 def _layer_order(layer: str):

@@ -65,7 +65,8 @@ class Expect:
     kv: tuple[str, ...] = ()
     kv_heads: int = HEADS
     # (glob, fraction): the part of a fused column-parallel weight Megatron keeps whole too
-    # (a Mamba-2 in_proj's B / C rows when there are fewer groups than ranks)
+    # (a fused qkv's kv rows under MQA, a Mamba-2 in_proj's B / C rows when there are fewer
+    # groups than ranks)
     whole_part: tuple[tuple[str, float], ...] = ()
     expert: tuple[str, ...] = ()
 
@@ -283,15 +284,6 @@ STYLES = {
     "per_layer_inputs": "Gemma 3n / 4 per-layer inputs: a `(B, T, layers, P)` tensor made before the blocks, block i gated by `inputs[:, :, i, :]`",
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
-}
-# idioms whose Megatron count goes beyond what tpcompile.inspect.bound derives from whole
-# tensors: what it does not count (tests/unit/test_bound.py asserts it counts less there)
-BEYOND_DERIVED_BOUND = {
-    "fused_qkv_mqa": "the kv head's rows of one fused c_attn kept whole: their gradient",
-    "fused_qkv_mqa_indexed": "the kv heads' rows of one fused qkv kept whole: their gradient",
-    "fused_qkv_mqa_rotary": "the kv head's rows of one fused qkv kept whole: their gradient",
-    "mamba2_one_group": "B / C's rows of the fused in_proj kept whole, and the gated norm over "
-                        "part of in_proj's features",
 }
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}

@@ -1,0 +1,43 @@
+"""docs/guarantees.md's claim -> test table covers every number of the README: each number in
+the README's prose (outside the demo's output block, which ``tpcompile demo`` checks, and the
+support table, which tests/unit/test_support_table.py recomputes) must appear in the "README
+claim" column of that table, so a new number cannot land without its guard being named.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# a number: 37, 2,500, 1e-5, 0.58x, 92%, 2.13 (not a digit inside a word like "H100" or "7B")
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?:e-\d+)?[x%]?(?!\w)")
+# numbers that name something rather than claim it, each with where it stands
+NAMES = {"0": "rank 0's rewritten graph"}
+
+
+def _prose(text: str) -> str:
+    """The README without fenced blocks, table rows, code spans and link targets."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.startswith("|"):
+            out.append(re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "", line)))
+    return "\n".join(out)
+
+
+def _claims() -> str:
+    """The first column of guarantees.md's "Every number of the README" table."""
+    text = (ROOT / "docs/guarantees.md").read_text()
+    section = text.split("## Every number of the README", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and "README claim" not in r]
+    assert len(rows) >= 10, rows
+    return "\n".join(r.split("|")[1] for r in rows)
+
+
+def test_every_readme_number_has_a_row():
+    readme = set(NUMBER.findall(_prose((ROOT / "README.md").read_text())))
+    assert {"37", "1e-5", "10.6%"} <= readme, readme  # the extraction sees the claims
+    missing = sorted(readme - set(NUMBER.findall(_claims())) - set(NAMES))
+    assert not missing, f"README numbers with no row in docs/guarantees.md's table: {missing}"
