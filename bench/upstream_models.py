@@ -100,6 +100,10 @@ def _attention_stack():
 def _titan(kind: str):
     import torch
 
+    from zoo.histc import install
+
+    install()  # torchtitan's MoE routers count tokens with an int64 histc (zoo/histc.py)
+
     if kind == "llama3":
         from torchtitan.models.llama3.model.args import TransformerModelArgs as Args
         from torchtitan.models.llama3.model.model import Transformer as Model
