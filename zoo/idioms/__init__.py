@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from zoo.idioms.skeleton import Attention, D, HEADS, HEAD_DIM, LAYERS, LM, SwiGLU, VOCAB
-from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, PairStackRoPE, PartialRoPE,
-                                  RotateHalfRoPE, T5RelativeBias, TorchtitanAttention)
+from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, LatentAttention, PairStackRoPE,
+                                  PartialRoPE, RotateHalfRoPE, T5RelativeBias,
+                                  TorchtitanAttention)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
                                     IndexedMQA, MatmulLinear, NormalizedQK, SlicedQKV, TimmQKV,
                                     WholeQKNorm)
@@ -126,6 +127,16 @@ _REGISTRY = [
     ("torchtitan_llama3", lambda: LM(attn=TorchtitanAttention),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
     ("rope_pair_stack", lambda: LM(attn=PairStackRoPE), BASELINE),
+    # q and the low-rank kv cut by heads; wkv_a (the latent and the one rotated k head) whole,
+    # each rank slicing its heads of the expanded k_pe inside the cat at no cost. Megatron
+    # all-reduces the input gradient of each column-parallel linear: x's (wq) and the latent's
+    # (wkv_b), backward 3; the latent's partial gradient can pass the norm and wkv_a (linear
+    # in it) into x's, so tpcompile pays 2
+    ("mla_latent_rope_cat", lambda: LM(attn=LatentAttention),
+     attention_expect(col=_in_layers("attn.wq.weight", "attn.wkv_b.weight"),
+                      replicated=BASELINE.replicated + _in_layers("attn.wkv_a.weight",
+                                                                  "attn.kv_norm.weight"),
+                      bwd_allreduce_per_layer=3)),
     ("alibi", lambda: LM(attn=ALiBiAttention), BASELINE),
     ("fused_qkv_unbind", lambda: LM(attn=FusedQKV),
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
@@ -236,6 +247,7 @@ STYLES = {
     "rope_neox_partial": "GPT-NeoX partial rotary: `cat(rotated q[..., :rd], q[..., rd:])`",
     "torchtitan_llama3": "torchtitan Llama 3: `view_as_complex` RoPE, `view(bs, T, -1, hd)`, SDPA `enable_gqa`, 8 q / 2 kv heads",
     "rope_pair_stack": "RoPE by `reshape(..., -1, 2)`, `stack([...], -1).flatten(3)`",
+    "mla_latent_rope_cat": "DeepSeek-V3 MLA (torchtitan): `cat([k_nope, k_pe.expand(-1, -1, H, -1)], -1)` of per-head and one shared rotated head, low-rank `wkv_a` -> `RMSNorm` -> `wkv_b`",
     "alibi": "BLOOM / MPT ALiBi: per-head distance biases added to explicit scores",
     "fused_qkv_unbind": "one qkv Linear, `view(B, T, 3, H, D).unbind(2)`",
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
