@@ -33,6 +33,7 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "swiglu_interleaved_gate_up": (2, 4),  # gpt-oss: h[..., ::2], h[..., 1::2] on one gate_up
     "linear_subclass_matmul": (2, 4),  # x @ self.weight.T in a Linear subclass
     "moe_stacked_bmm": (2, 4),         # stacked (experts, out, in) weights through bmm
+    "moe_grouped_loop": (2, 4),        # torchtitan's loop: w1[e] per expert, stored 1/N
     "moe_einsum": (2, 4),              # einsum over tokens broadcast to the experts: whole experts
     # fused qkv viewed as (B, T, 3, heads, head_dim) then unbound, also after a permute (timm):
     # the heads dim holds the rank's heads of each chunk; Phi-3's uneven slices of one qkv_proj
@@ -98,7 +99,8 @@ def test_plan_is_megatrons(name, world_size):
 NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_qkv_slices",
                        "moe_modulelist_top2", "qk_norm_whole", "mamba_selective_scan",
                        "bmm_batch_heads_merged", "fused_qkv_mqa", "mamba2_one_group",
-                       "mlp_normalize_hidden", "mla_latent_rope_cat")
+                       "mlp_normalize_hidden", "mla_latent_rope_cat",
+                       "moe_grouped_loop")
 
 
 def _numerics_params() -> list:

@@ -11,6 +11,7 @@ activation copies (``root_of``). Nothing here looks at a plan.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +30,14 @@ aten = torch.ops.aten
 _SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
          aten.index_add.default, aten.index_put.default, aten.scatter_add.default,
          aten._to_copy.default, aten.clone.default, aten.sum.dim_IntList}
-# ops whose first input is the value they copy (picked, repeated, scaled)
+# ops that join partial sums into one (each expert's rows of a looped MoE's output): still a sum
+_JOINS = {aten.cat.default}
+# ops whose first input is the value they copy (picked, repeated, scaled, split into pieces:
+# a looped MoE's tokens per expert)
 _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
            aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default, aten.clone.default,
-           aten.expand.default}
+           aten.expand.default, aten.split_with_sizes.default, aten.split.Tensor,
+           operator.getitem}
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
                aten.linalg_vector_norm.default, aten.amax.default}
 
@@ -207,7 +212,8 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
         reach.add(n)
         users = list(n.users)
         if all(u.op == "call_function" and _layer(u) == layer
-               and (u in carriers or u.target in _SUMS or is_view(u)) for u in users):
+               and (u in carriers or u.target in _SUMS | _JOINS or is_view(u))
+               for u in users):
             todo.extend(users)
     return reach
 
