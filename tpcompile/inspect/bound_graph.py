@@ -22,6 +22,7 @@ from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_view
+from tpcompile.passes.planner.rules.writes import any_placement
 
 __all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", "whole_read"]
 
@@ -31,7 +32,7 @@ _SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, ate
          aten.index_add.default, aten.index_put.default, aten.scatter_add.default,
          aten._to_copy.default, aten.clone.default, aten.sum.dim_IntList}
 # ops that join partial sums into one (each expert's rows of a looped MoE's output): still a sum
-_JOINS = {aten.cat.default}
+_JOINS = {aten.cat.default, aten.vstack.default, aten.hstack.default}
 # ops whose first input is the value they copy (picked, repeated, scaled, split into pieces:
 # a looped MoE's tokens per expert)
 _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
@@ -210,7 +211,7 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
         if n in reach:
             continue
         reach.add(n)
-        users = list(n.users)
+        users = [u for u in n.users if not any_placement(u)]  # new_zeros(n, ...) reads a shape
         if all(u.op == "call_function" and _layer(u) == layer
                and (u in carriers or u.target in _SUMS | _JOINS or is_view(u))
                for u in users):

@@ -221,9 +221,11 @@ _REGISTRY = [
     ("moe_stacked_bmm", lambda: LM(mlp=StackedMoE),
      mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
     # each expert's w1[e] / w3[e] / w2[e] picked inside the loop: the stacked weights stored cut
-    # like every expert's columns / rows, each rank its part of every expert
+    # like every expert's columns / rows, each rank its part of every expert; their partial
+    # outputs, padded and put back into zeros, join the shared expert's: one all-reduce
     ("moe_grouped_loop", lambda: LM(mlp=GroupedExpertsLoop),
-     mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
+     mlp_expect(col=_in_layers("mlp.w1", "mlp.w3", "mlp.shared.w1.weight", "mlp.shared.w3.weight"),
+                row=_in_layers("mlp.w2", "mlp.shared.w2.weight"), **MOE)),
     # tokens broadcast over the experts (einsum "td,ehd->eth"): the experts are the first dim
     # only the weight and the output carry, cut whole under the default experts="tensor" too
     ("moe_einsum", lambda: LM(mlp=EinsumMoE),
@@ -280,7 +282,7 @@ STYLES = {
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
-    "moe_grouped_loop": "torchtitan `GroupedExperts` for-loop: tokens `argsort`ed, counted by int64 `histc`, `split` by the counts, `w1[e]` per expert",
+    "moe_grouped_loop": "torchtitan `GroupedExperts` for-loop: tokens `argsort`ed, counted by int64 `histc`, `split` by the counts, `w1[e]` per expert, `vstack` with `new_zeros`, a shared expert",
     "moe_einsum": "stacked experts by `einsum(\"td,ehd->eth\")` over tokens broadcast to them, combined by `einsum(\"te,etd->td\")`",
     "moe_scaled_tokens": "Llama 4: tokens `repeat`ed per expert times sigmoid scores, stacked `(experts, in, out)` gate_up through `bmm`, a shared expert",
     "per_layer_inputs": "Gemma 3n / 4 per-layer inputs: a `(B, T, layers, P)` tensor made before the blocks, block i gated by `inputs[:, :, i, :]`",

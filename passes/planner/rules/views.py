@@ -17,6 +17,7 @@ from tpcompile.passes.planner.rules.dim_maps import (
 )
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 from tpcompile.passes.planner.rules.table import register
+from tpcompile.passes.planner.rules.writes import any_placement
 
 aten = torch.ops.aten
 
@@ -211,6 +212,9 @@ def _cat(op):
     tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
     n = len(shape(op.node))
     dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
+    if any(isinstance(op.placement(t), Partial) for t in tensors) and all(
+            isinstance(op.placement(t), Partial) or any_placement(t) for t in tensors):
+        return Partial()  # partial sums padded with zeros (torchtitan's expert loop): a sum
     across = [t for t in tensors if isinstance(p := op.placement(t), Shard) and p.dim == dim]
     rest = [t for t in tensors if t not in across]
     operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in rest]
