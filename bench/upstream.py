@@ -2,6 +2,7 @@
 
     nice -n 19 python -m bench.upstream --numerics          # -> results/upstream-<date>.md
     python -m bench.upstream --only torch.TransformerEncoder litgpt.pythia --numerics
+    python -m bench.upstream --only torchtitan.deepseek_v3 --numerics --update  # into today's
 
 The libraries come from the package index (``pip install -e '.[bench]'``), never vendored:
 PyTorch's own ``nn.Transformer*`` layers and ``nn.MultiheadAttention``, torchtitan's llama3 /
@@ -180,10 +181,21 @@ def _versions() -> dict:
     return out
 
 
+def _merged(path: Path, fresh: list[dict]) -> list[dict]:
+    """The rows of the results at ``path`` with ``fresh`` in place of their models' rows (new
+    models where the corpus lists them), in the corpus's order."""
+    stored = json.loads(path.read_text())["rows"]
+    by = {r["model"]: {(int(k) if k.isdigit() else k): v for k, v in r.items()} for r in stored}
+    by.update({r["model"]: r for r in fresh})
+    return [by[name] for name in CASES if name in by]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(CASES), metavar="MODEL")
     parser.add_argument("--numerics", action="store_true", help="also run on 2 and 4 gloo ranks")
+    parser.add_argument("--update", action="store_true",
+                        help="with --only: put those rows into today's results, keeping the rest")
     args = parser.parse_args(argv)
     import torch
 
@@ -197,8 +209,10 @@ def main(argv=None) -> None:
                                       for ws in WORLD_SIZES), file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
     meta = {"date": date, "torch": torch.__version__, "libraries": _versions()}
+    if args.only and args.update:
+        rows = _merged(RESULTS / f"upstream-{date}.json", rows)
     text = report_markdown(rows, meta)
-    if not args.only:
+    if not args.only or args.update:
         (RESULTS / f"upstream-{date}.md").write_text(text)
         (RESULTS / f"upstream-{date}.json").write_text(
             json.dumps({**meta, "rows": rows}, indent=1, default=str))
