@@ -100,16 +100,25 @@ def _attention_stack():
 def _titan(kind: str):
     import torch
 
+    from zoo.histc import install
+
+    install()  # torchtitan's MoE routers count tokens with an int64 histc (zoo/histc.py)
+
     if kind == "llama3":
         from torchtitan.models.llama3.model.args import TransformerModelArgs as Args
         from torchtitan.models.llama3.model.model import Transformer as Model
         args = Args(dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
                     vocab_size=VOCAB, multiple_of=32, max_seq_len=128)
-    elif kind == "qwen3":
+    elif kind in ("qwen3", "qwen3_moe"):
+        from torchtitan.models.moe import MoEArgs
         from torchtitan.models.qwen3.model.args import Qwen3ModelArgs as Args
         from torchtitan.models.qwen3.model.model import Qwen3Model as Model
+        moe = dict(moe_enabled=True, moe_inter_dim=32, moe_args=MoEArgs(
+            num_experts=4, num_shared_experts=0, top_k=2, use_grouped_mm=False,
+            load_balance_coeff=None)) if kind == "qwen3_moe" else {}
         args = Args(dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
-                    head_dim=HIDDEN // HEADS, hidden_dim=INTER, vocab_size=VOCAB, max_seq_len=128)
+                    head_dim=HIDDEN // HEADS, hidden_dim=INTER, vocab_size=VOCAB, max_seq_len=128,
+                    **moe)
     else:
         from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as Args
         from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model as Model
@@ -127,8 +136,8 @@ def _titan(kind: str):
     with torch.no_grad():  # the trainer calls it under no_grad: it copies into leaves
         model.init_weights()
     kv = HEADS if kind == "deepseek_v3" else KV_HEADS
-    return model.train(), (_ids(),), {}, _shape(kv_heads=kv, experts=4 if kind == "deepseek_v3"
-                                                 else None)
+    return model.train(), (_ids(),), {}, _shape(kv_heads=kv, experts=4 if kind in (
+        "deepseek_v3", "qwen3_moe") else None)
 
 
 # ------------------------------------------------------------------ litgpt
@@ -172,6 +181,7 @@ CASES: dict[str, Case] = {
     "torch.MultiheadAttention": Case("torch", _attention_stack),
     "torchtitan.llama3": Case("torchtitan", lambda: _titan("llama3")),
     "torchtitan.qwen3": Case("torchtitan", lambda: _titan("qwen3")),
+    "torchtitan.qwen3_moe": Case("torchtitan", lambda: _titan("qwen3_moe")),
     "torchtitan.deepseek_v3": Case("torchtitan", lambda: _titan("deepseek_v3")),
     "litgpt.pythia": Case("litgpt", lambda: _litgpt("pythia-14m")),
     "litgpt.llama3": Case("litgpt", lambda: _litgpt("Llama-3.2-1B")),

@@ -26,7 +26,7 @@ from tpcompile.passes.planner.propagate import (
 from tpcompile.passes.planner.quantized import dequantized_readers
 from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
 from tpcompile.passes.planner.rules import (
-    is_lookup, is_param_matmul, piece_of, shard_map, weight_out_first,
+    is_lookup, is_param_matmul, is_view, piece_of, shard_map, weight_out_first,
 )
 
 __all__ = ["consumed", "freeze", "pulled_back"]
@@ -42,33 +42,59 @@ def _absorb_params(gm, state: Propagation) -> None:
 
     A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) or elementwise ops
     (Mamba's ``-exp(A_log)``) is stored sharded on the dim they carry to the shard its use
-    wants: the rule table maps each op's dims.
+    wants: the rule table maps each op's dims. A weight forked into several such chains
+    (stacked experts picked one by one, ``w1[e].t()`` per expert in torchtitan's loop) is
+    stored sharded when every chain pulls back to the same cut of it: each rank keeps its part
+    of every expert.
     """
     specs = state.specs
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not node.users:
             continue
-        chain = carrier_chain(node)
-        # a conversion inside the chain is where its shard is wanted (a vocabulary-parallel
-        # table sliced by rows for its lookup): the chain ends there
-        cut = next((i for i, n in enumerate(chain[:-1]) if (n, chain[i + 1]) in state.conversions),
-                   len(chain) - 1)
-        chain = chain[:cut + 1]
-        end = chain[-1]
-        wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
-        first = wanted[0] if wanted else None  # none: only export's metadata checks read it
-        if chain == [node] and _absorb_pieces(node, state):
+        chains = _forked_chains(node)
+        if chains == [[node]] and _absorb_pieces(node, state):
             continue
-        if not (isinstance(first, Shard) and all(
-                isinstance(w, Shard) and _same(specs, first, w) for w in wanted)):
+        pulled = [_pulled_chain(state, chain) for chain in chains]
+        if not pulled or any(p is None for p in pulled):
             continue
-        placements = pulled_back(chain, first, specs)
-        if placements is None:
+        first = pulled[0][1][0]
+        if not all(p[1][0].dim == first.dim and _same(specs, p[1][0], first) for p in pulled):
             continue
-        for n, p in zip(chain, placements):
-            state.placements[n] = p
-        for u in end.users:
-            state.conversions.pop((end, u), None)
+        for chain, placements in pulled:
+            for n, p in zip(chain[1:], placements[1:]):
+                state.placements[n] = p
+            for u in chain[-1].users:
+                state.conversions.pop((chain[-1], u), None)
+        state.placements[node] = first
+
+
+def _forked_chains(node: fx.Node) -> list[list[fx.Node]]:
+    """``node``'s carrier chain, or, when it forks into several users that each carry its shard,
+    one chain per user (each starting at ``node``)."""
+    chain = carrier_chain(node)
+    readers = [u for u in node.users if val(u) is not None]
+    if len(chain) > 1 or len(readers) < 2:
+        return [chain]
+    if not all(shard_map(u) is not None and u.args[0] is node for u in readers):
+        return [chain]
+    return [[node] + carrier_chain(u) for u in readers]
+
+
+def _pulled_chain(state: Propagation, chain: list[fx.Node]):
+    """``(chain, placements)``: ``chain`` cut at its first conversion (where its shard is
+    wanted, as a vocabulary-parallel table sliced by rows for its lookup) and the placements
+    along it that end in the one shard every reader of its end wants; None if there is none."""
+    cut = next((i for i, n in enumerate(chain[:-1]) if (n, chain[i + 1]) in state.conversions),
+               len(chain) - 1)
+    chain = chain[:cut + 1]
+    end = chain[-1]
+    wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
+    first = wanted[0] if wanted else None  # none: only export's metadata checks read it
+    if not (isinstance(first, Shard) and all(
+            isinstance(w, Shard) and _same(state.specs, first, w) for w in wanted)):
+        return None
+    placements = pulled_back(chain, first, state.specs)
+    return None if placements is None else (chain, placements)
 
 
 def _absorb_pieces(param: fx.Node, state: Propagation) -> bool:
@@ -142,7 +168,7 @@ def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> 
     p = state.placements[node]
     if not isinstance(p, Shard) or state.specs.is_full(p.layout):
         return "replicate"
-    users = [reader] if reader is not None else view_chain(node)[-1].users
+    users = [reader] if reader is not None else _readers(node)
     if p.dim == 0 and any(is_lookup(u) for u in users):  # a table cut by rows
         return "vocab"
     if state.experts.get(p.layout.root, ("",))[0] == "expert":  # cut by whole experts
@@ -150,6 +176,15 @@ def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> 
     if any(isinstance(state.placements.get(u), Partial) for u in users):
         return "rowwise"
     return "colwise"
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The ops reading a weight past its views, through every branch where it forks into
+    views (stacked experts picked one by one)."""
+    end = view_chain(node)[-1]
+    if end is node and len(node.users) > 1 and all(is_view(u) for u in node.users):
+        return [r for u in node.users for r in view_chain(u)[-1].users]
+    return list(end.users)
 
 
 def _local_shape(global_shape, placement, specs: Specs, rank: int):

@@ -206,3 +206,32 @@ def test_vector_norm_decomposition_is_the_norm(ord, dim, keepdim):
     x = torch.zeros(3, 4, requires_grad=True)  # a zero vector: gradient 0, not NaN
     norm(x, ord, -1).sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+class Counts(nn.Module):
+    """A column-parallel activation's histogram, and a router's expert counts (torchtitan's
+    ``histc`` of int64 top-k indices, which needs zoo/histc.py's CPU kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.gate = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        h = self.up(x)
+        picked = self.gate(x).topk(2, -1).indices
+        experts = torch.histc(picked.view(-1), bins=4, min=0, max=4)
+        return self.down(h) * torch.histc(h, bins=8).sum(), experts
+
+
+def test_histc_reads_its_input_whole_and_counts_replicated():
+    from zoo.histc import install
+
+    install()
+    _, plan = plan_model(Counts(), (torch.randn(4, 8),), 2)
+    # the rule reads a column shard as R: the planner weighs that gather and keeps up whole
+    assert "histc (top level) reads linear_bias S(1) as R" in plan.replicated["up.weight"]
+    assert not plan.fallbacks and not plan.conversions
+    assert all(isinstance(plan.placement(n), Replicate) for n in ("histc", "histc_1"))
+    x = torch.randint(0, 4, (64,))
+    assert torch.equal(torch.histc(x, bins=4, min=0, max=4), torch.bincount(x, minlength=4))

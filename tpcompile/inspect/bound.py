@@ -22,15 +22,16 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   heads) or whose output features do not divide; every weight outside the repeated blocks. A
   bias follows a colwise weight and stays whole with a rowwise one.
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
-  ops before any other use (a MoE block's experts: one), of the summed value's bytes; and one
-  per statistic (a norm's mean) over a colwise matmul's whole output features.
+  ops (sums, a ``cat`` of them) before any other use (a MoE block's experts: one), of the summed
+  value's bytes; and one per statistic (a norm's mean) over a colwise matmul's whole output
+  features.
 * Backward: one all-reduce per distinct activation entering the colwise matmuls, followed back
-  through views, index picks, repeats and scalings to the value they copy (q, k and v: one;
-  every expert's picked tokens: one), of that value's bytes; one for the statistics'
+  through views, index picks, splits, repeats and scalings to the value they copy (q, k and v:
+  one; every expert's picked tokens: one), of that value's bytes; one for the statistics'
   gradients. Whole non-matmul weights read where features are cut (a per-head q / k norm's
   weight) have partial gradients that ride in the sync of the colwise input they are read
-  after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read the block's activation: their gradients join
-  its all-reduce.
+  after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read
+  the block's activation: their gradients join its all-reduce.
 * A colwise matmul whose output is cut (split, head slices, list indices; inside a piece also
   after channelwise ops, Mamba-2's depthwise conv1d) into pieces, some viewed as fewer heads
   than ranks (a fused qkv's one kv head under MQA, Mamba-2's one B / C group), keeps those

@@ -22,6 +22,7 @@ from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_view
+from tpcompile.passes.planner.rules.writes import any_placement
 
 __all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", "whole_read"]
 
@@ -31,10 +32,14 @@ _SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.mul.Tensor, at
          aten.neg.default, aten.index.Tensor, aten.index_add.default, aten.index_put.default,
          aten.scatter_add.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
          aten.sum.dim_IntList}
-# ops whose first input is the value they copy (picked, repeated, scaled)
+# ops that join partial sums into one (each expert's rows of a looped MoE's output): still a sum
+_JOINS = {aten.cat.default, aten.vstack.default, aten.hstack.default}
+# ops whose first input is the value they copy (picked, repeated, scaled, split into pieces:
+# a looped MoE's tokens per expert)
 _COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
            aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default, aten.clone.default,
-           aten.expand.default}
+           aten.expand.default, aten.split_with_sizes.default, aten.split.Tensor,
+           operator.getitem}
 # ops that cut a value into pieces (a split's pieces are its getitems)
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
            aten.unbind.int}
@@ -275,9 +280,10 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
         if n in reach:
             continue
         reach.add(n)
-        users = list(n.users)
+        users = [u for u in n.users if not any_placement(u)]  # new_zeros(n, ...) reads a shape
         if all(u.op == "call_function" and _layer(u) == layer
-               and (u in carriers or u.target in _SUMS or is_view(u)) for u in users):
+               and (u in carriers or u.target in _SUMS | _JOINS or is_view(u))
+               for u in users):
             todo.extend(users)
     return reach
 

@@ -27,16 +27,17 @@ import torch
 from torch import nn
 
 from zoo.idioms.skeleton import Attention, D, HEADS, HEAD_DIM, LAYERS, LM, SwiGLU, VOCAB
-from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, PairStackRoPE, PartialRoPE,
-                                  RotateHalfRoPE, T5RelativeBias, TorchtitanAttention)
+from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, LatentAttention, PairStackRoPE,
+                                  PartialRoPE, RotateHalfRoPE, T5RelativeBias,
+                                  TorchtitanAttention)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
                                     IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
-from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, IndexPutMoE, InterleavedGateUp,
-                             ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM, RawParamSwiGLU,
-                             ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
+from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
+                             InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM,
+                             RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
 
 __all__ = ["IDIOMS", "EXPECT", "Expect", "STYLES", "LAYERS", "VOCAB", "build", "example_inputs"]
 
@@ -127,6 +128,16 @@ _REGISTRY = [
     ("torchtitan_llama3", lambda: LM(attn=TorchtitanAttention),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
     ("rope_pair_stack", lambda: LM(attn=PairStackRoPE), BASELINE),
+    # q and the low-rank kv cut by heads; wkv_a (the latent and the one rotated k head) whole,
+    # each rank slicing its heads of the expanded k_pe inside the cat at no cost. Megatron
+    # all-reduces the input gradient of each column-parallel linear: x's (wq) and the latent's
+    # (wkv_b), backward 3; the latent's partial gradient can pass the norm and wkv_a (linear
+    # in it) into x's, so tpcompile pays 2
+    ("mla_latent_rope_cat", lambda: LM(attn=LatentAttention),
+     attention_expect(col=_in_layers("attn.wq.weight", "attn.wkv_b.weight"),
+                      replicated=BASELINE.replicated + _in_layers("attn.wkv_a.weight",
+                                                                  "attn.kv_norm.weight"),
+                      bwd_allreduce_per_layer=3)),
     ("alibi", lambda: LM(attn=ALiBiAttention), BASELINE),
     ("fused_qkv_unbind", lambda: LM(attn=FusedQKV),
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
@@ -221,6 +232,12 @@ _REGISTRY = [
                 replicated=BASELINE.replicated + _in_layers("mlp.gate.weight"))),
     ("moe_stacked_bmm", lambda: LM(mlp=StackedMoE),
      mlp_expect(col=_in_layers("mlp.w1", "mlp.w3"), row=_in_layers("mlp.w2"), **MOE)),
+    # each expert's w1[e] / w3[e] / w2[e] picked inside the loop: the stacked weights stored cut
+    # like every expert's columns / rows, each rank its part of every expert; their partial
+    # outputs, padded and put back into zeros, join the shared expert's: one all-reduce
+    ("moe_grouped_loop", lambda: LM(mlp=GroupedExpertsLoop),
+     mlp_expect(col=_in_layers("mlp.w1", "mlp.w3", "mlp.shared.w1.weight", "mlp.shared.w3.weight"),
+                row=_in_layers("mlp.w2", "mlp.shared.w2.weight"), **MOE)),
     # tokens broadcast over the experts (einsum "td,ehd->eth"): the experts are the first dim
     # only the weight and the output carry, cut whole under the default experts="tensor" too
     ("moe_einsum", lambda: LM(mlp=EinsumMoE),
@@ -249,6 +266,7 @@ STYLES = {
     "rope_neox_partial": "GPT-NeoX partial rotary: `cat(rotated q[..., :rd], q[..., rd:])`",
     "torchtitan_llama3": "torchtitan Llama 3: `view_as_complex` RoPE, `view(bs, T, -1, hd)`, SDPA `enable_gqa`, 8 q / 2 kv heads",
     "rope_pair_stack": "RoPE by `reshape(..., -1, 2)`, `stack([...], -1).flatten(3)`",
+    "mla_latent_rope_cat": "DeepSeek-V3 MLA (torchtitan): `cat([k_nope, k_pe.expand(-1, -1, H, -1)], -1)` of per-head and one shared rotated head, low-rank `wkv_a` -> `RMSNorm` -> `wkv_b`",
     "alibi": "BLOOM / MPT ALiBi: per-head distance biases added to explicit scores",
     "fused_qkv_unbind": "one qkv Linear, `view(B, T, 3, H, D).unbind(2)`",
     "fused_qkv_timm": "timm / DiT: `reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`",
@@ -279,6 +297,7 @@ STYLES = {
     "moe_modulelist_top2": "Mixtral loop over a ModuleList of experts: `index_select`, `index_add_`",
     "moe_litgpt_index_put": "litgpt Mixtral: a loop over a ModuleList of experts, `y[token_idx] += probs * expert(x[token_idx])` (a gather, `add_`, `index_put_` once exported)",
     "moe_stacked_bmm": "stacked `(experts, out, in)` expert weights through `bmm`, dense gating",
+    "moe_grouped_loop": "torchtitan `GroupedExperts` for-loop: tokens `argsort`ed, counted by int64 `histc`, `split` by the counts, `w1[e]` per expert, `vstack` with `new_zeros`, a shared expert",
     "moe_einsum": "stacked experts by `einsum(\"td,ehd->eth\")` over tokens broadcast to them, combined by `einsum(\"te,etd->td\")`",
     "moe_scaled_tokens": "Llama 4: tokens `repeat`ed per expert times sigmoid scores, stacked `(experts, in, out)` gate_up through `bmm`, a shared expert",
     "per_layer_inputs": "Gemma 3n / 4 per-layer inputs: a `(B, T, layers, P)` tensor made before the blocks, block i gated by `inputs[:, :, i, :]`",

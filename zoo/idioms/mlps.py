@@ -1,5 +1,6 @@
 """MLP idioms: SwiGLU on raw Parameters or fused gate / up weights, ReLU², normalized hidden
-features, mixtures of experts (a ModuleList loop, stacked weights, Llama 4's scaled tokens),
+features, mixtures of experts (a ModuleList loop, stacked weights, torchtitan's loop over stacked
+experts, Llama 4's scaled tokens),
 and Gemma's per-layer inputs.
 """
 
@@ -158,6 +159,43 @@ class StackedMoE(nn.Module):
         h = F.silu(torch.bmm(xs, self.w1.transpose(1, 2))) * torch.bmm(xs, self.w3.transpose(1, 2))
         y = torch.bmm(h, self.w2.transpose(1, 2))  # (experts, tokens, D)
         return (gates.t().unsqueeze(-1) * y).sum(0).view(B, T, C)
+
+
+class GroupedExpertsLoop(StackedMoE):
+    """torchtitan's ``GroupedExperts`` without grouped_mm (``_run_experts_for_loop``): tokens
+    sorted by expert (``argsort``), counted by ``histc`` on the int64 picks (zoo/histc.py
+    gives CPU its kernel), split by those counts, and each expert's ``w1[e]`` / ``w3[e]`` /
+    ``w2[e]`` picked from the stacked weights inside the loop, padded by ``vstack`` with
+    ``new_zeros``, put back in token order into ``zeros``, summed over each token's picks (the
+    tokens were scaled by their scores before the experts, torchtitan's default) and added to
+    a shared expert's output."""
+
+    def __init__(self):
+        from zoo.histc import install
+
+        install()
+        super().__init__()
+        self.shared = SwiGLU(hidden=64)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        scores, chosen = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        counts = torch.histc(chosen.view(-1), bins=self.n_experts, min=0, max=self.n_experts)
+        order = torch.argsort(chosen.view(-1), stable=True)
+        routed = flat[order // self.top_k] * scores.view(-1)[order].reshape(-1, 1)
+        outs = []
+        sizes = counts.tolist()
+        for e, xe in enumerate(torch.split(routed, sizes, dim=0)):
+            h = F.silu(torch.matmul(xe, self.w1[e].transpose(-2, -1)))
+            h = h * torch.matmul(xe, self.w3[e].transpose(-2, -1))
+            outs.append(torch.matmul(h, self.w2[e].transpose(-2, -1)))
+        out = torch.cat(outs, dim=0)
+        out = torch.vstack((out, out.new_zeros((routed.shape[0] - sum(sizes), C))))
+        unsorted = torch.zeros(B * T * self.top_k, C, dtype=x.dtype)
+        unsorted[order] = out
+        out = unsorted.reshape(-1, self.top_k, C).sum(dim=1)
+        return (self.shared(flat) + out).reshape(B, T, C)
 
 
 class EinsumMoE(StackedMoE):

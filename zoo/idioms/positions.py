@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.idioms.skeleton import Attention, rope_angles, rotate_half
+from zoo.idioms.skeleton import HEADS, D, Attention, rope_angles, rotate_half
 
 
 class RotateHalfRoPE(Attention):
@@ -153,3 +153,46 @@ class T5RelativeBias(Attention):
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + bias
         scores = scores.masked_fill(causal, float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention as torchtitan writes it: q split per head into a
+    no-position part and a rotated part, joined back by ``cat``; k's rotated part is one head
+    computed from the block's input (``wkv_a``), rotated and ``expand``ed over the heads, then
+    ``cat`` to the per-head no-position k from the low-rank ``wkv_b``. Each ``cat`` joins a
+    head-sharded tensor with one every rank holds whole."""
+
+    NOPE, ROPE, V, RANK = 8, 8, 8, 8  # wkv_a: D -> 16, a low-rank down factor (<= D / 4)
+
+    def __init__(self):
+        super().__init__()
+        self.n_heads = HEADS
+        self.wq = nn.Linear(D, HEADS * (self.NOPE + self.ROPE), bias=False)
+        self.wkv_a = nn.Linear(D, self.RANK + self.ROPE, bias=False)
+        self.kv_norm = nn.RMSNorm(self.RANK, eps=1e-6)
+        self.wkv_b = nn.Linear(self.RANK, HEADS * (self.NOPE + self.V), bias=False)
+        self.wo = nn.Linear(HEADS * self.V, D, bias=False)
+        angles = rope_angles(self.ROPE)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
+
+    def rotate(self, x):
+        """torchtitan's ``apply_rotary_emb``: complex pairs, so a shard of the last dim passes
+        through the rotation to the ``cat`` (no ``rotate_half`` split to stop it earlier)."""
+        x_ = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
+        freqs = self.freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, x_.shape[-1])
+        return torch.view_as_real(x_ * freqs).flatten(3).type_as(x)
+
+    def forward(self, x):
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.NOPE + self.ROPE)
+        q_nope, q_pe = torch.split(q, [self.NOPE, self.ROPE], dim=-1)
+        q = torch.cat([q_nope, self.rotate(q_pe)], dim=-1)
+        kv, k_pe = torch.split(self.wkv_a(x), [self.RANK, self.ROPE], dim=-1)
+        k_pe = self.rotate(k_pe.unsqueeze(2))
+        kv = self.wkv_b(self.kv_norm(kv)).view(bsz, seqlen, -1, self.NOPE + self.V)
+        k_nope, v = torch.split(kv, [self.NOPE, self.V], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, -1))

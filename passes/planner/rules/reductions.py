@@ -1,6 +1,6 @@
 """Reductions and norms: sums and means (linear: a shard of a reduced dim gives a partial sum),
-vector norms, max / var / topk / sort, and ops that read whole dims (softmax, layer / RMS norm,
-cumsum)."""
+vector norms, max / var / topk / sort, ops that read whole dims (softmax, layer / RMS norm,
+cumsum) and histograms."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from tpcompile.core.placement import Partial, Shard
+from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.partial import mean_term
 from tpcompile.passes.planner.dims import norm_dim, shape
 from tpcompile.passes.planner.rules.table import register
@@ -146,3 +146,13 @@ register(aten.layer_norm.default, aten.rms_norm.default)(
 register(aten.cumsum.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}, "unary"))
 register(aten.logcumsumexp.default)(
     _last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
+
+
+@register(aten.histc.default)
+def _histogram(op):
+    """``histc(x, bins, min, max)``: counts of ``x``'s values per bin (torchtitan's routers
+    count the tokens each expert gets with it). Every count reads every value, and ``min ==
+    max`` bins over the data's own range, which a shard does not know: the input is read
+    whole (a sharded one gathered) and the counts are replicated."""
+    op.require(op.node.args[0], Replicate())
+    return Replicate()

@@ -9,7 +9,7 @@ import operator
 import torch
 from torch import fx
 
-from tpcompile.core.placement import Layout, Replicate, Shard
+from tpcompile.core.placement import Layout, Partial, Replicate, Shard
 from tpcompile.passes.planner.dims import norm_dim, shape, sub_layout, val
 from tpcompile.passes.planner.mutations import written_args
 from tpcompile.passes.planner.rules.dim_maps import (
@@ -17,6 +17,7 @@ from tpcompile.passes.planner.rules.dim_maps import (
 )
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 from tpcompile.passes.planner.rules.table import register
+from tpcompile.passes.planner.rules.writes import any_placement
 
 aten = torch.ops.aten
 
@@ -204,18 +205,33 @@ def _getitem(op):
 
 @register(aten.cat.default)
 def _cat(op):
+    """``cat(tensors, dim)``: operands cut along ``dim`` itself are read whole (joining shards
+    along their own cut would interleave them), and only they: the others join as in any
+    einsum-like op, and an operand read whole is then sliced to the output's shard on each
+    rank (DeepSeek's MLA joins head-sharded ``k_nope`` with a ``k_pe`` every rank computes,
+    expanded over the heads: each rank keeps its heads of it, at no cost). Pieces that each
+    hold their part of one block of a cut (RoPE's ``cat((-x2, x1), -1)`` over a head_dim cut
+    like its halves) join on each rank with no gather (:func:`_joined`)."""
     tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
     n = len(shape(op.node))
     dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
-    if any(isinstance(p, Shard) and p.dim == dim for p in map(op.placement, tensors)):
-        joined = _joined(op, tensors, dim)
-        if joined is not None:
-            return joined
-        for t in tensors:  # concatenating along the sharded dim interleaves shards: gather
+    if any(isinstance(op.placement(t), Partial) for t in tensors) and all(
+            isinstance(op.placement(t), Partial) or any_placement(t) for t in tensors):
+        return Partial()  # partial sums padded with zeros (torchtitan's expert loop): a sum
+    across = [t for t in tensors if isinstance(p := op.placement(t), Shard) and p.dim == dim]
+    if across and (joined := _joined(op, tensors, dim)) is not None:
+        return joined
+    rest = [t for t in tensors if t not in across]
+    operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in rest]
+    out = (einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
+           if rest else Replicate())
+    if across and isinstance(out, Partial):  # partial sums joined with whole blocks: reduced
+        for t in rest:
             op.require(t, Replicate())
-        return Replicate()
-    operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in tensors]
-    return einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
+        out = Replicate()
+    for t in across:
+        op.require(t, Shard(out.dim, out.layout) if isinstance(out, Shard) else Replicate())
+    return out
 
 
 def _joined(op, tensors: list, dim: int) -> Shard | None:

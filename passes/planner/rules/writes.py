@@ -95,7 +95,7 @@ def _index_put(op):
         if isinstance(i, fx.Node):
             op.require(i, Replicate())
     if _written_partially(op, labels[0][0], labels[1][0]):
-        return Partial()
+        return Partial()  # a looped MoE's expert outputs put back in token order into zeros
     return einsum_rule(op, labels, labels[0][1], linear="add")
 
 
@@ -181,13 +181,26 @@ _ANY_PLACEMENT = frozenset({
     aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
     aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
 })
+# fills, by the position of their fill value: filled with 0 they are zeros (export writes
+# ``new_zeros`` as ``full(size, 0)``)
+_FILLS = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
+
+
+def any_placement(node) -> bool:
+    """``node`` is a fresh buffer of zeros (or unspecified values): as it is on every rank, it
+    is also a partial sum, or any shard, of itself."""
+    if not isinstance(node, fx.Node):
+        return False
+    at = _FILLS.get(node.target)
+    return node.target in _ANY_PLACEMENT or (at is not None and len(node.args) > at
+                                             and node.args[at] == 0)
 
 
 def _written_partially(op, base, src) -> bool:
     """A partial ``src`` written into a replicated zero-filled or empty ``base``: the result is
     a partial sum as it is, with no all-reduce of ``src`` first."""
     return (isinstance(op.placement(src), Partial) and isinstance(op.placement(base), Replicate)
-            and isinstance(base, fx.Node) and base.target in _ANY_PLACEMENT)
+            and any_placement(base))
 
 
 @register(aten.index_add.default)
