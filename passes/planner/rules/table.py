@@ -205,8 +205,10 @@ def piece_of(node: fx.Node) -> tuple[fx.Node, int, int, int] | None:
     ndim = len(shape(split.args[0]))
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     dim = dim + ndim if dim < 0 else dim
-    start = sum(int(p.shape[dim]) for p in pieces[:idx])
-    return split.args[0], dim, start, start + int(pieces[idx].shape[dim])
+    sizes = [p.shape[dim] for p in pieces[:idx + 1]]
+    if not all(isinstance(s, int) for s in sizes):
+        return None  # sizes known only when run (tokens split by their expert counts)
+    return split.args[0], dim, sum(sizes[:-1]), sum(sizes)
 
 
 def flops_of(node: fx.Node) -> tuple[float, list[fx.Node]]:
