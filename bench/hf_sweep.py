@@ -59,6 +59,7 @@ REPRESENTATIVE: tuple[str, ...] = (
     "OPTForCausalLM",        # learned positions, ReLU MLP with biases
     "MptForCausalLM",        # ALiBi, fused Wqkv (the Bloom-style block that captures)
     "Olmo2ForCausalLM",      # RMSNorm over whole q/k projections: its statistic all-reduced
+    "BitNetForCausalLM",     # norms over attention's heads before o_proj and over the MLP's hidden
     "DeepseekV3ForCausalLM",  # MLA (q_a / kv_a whole, q_b / kv_b column) and MoE experts
     "ElectraForCausalLM",    # post-LN, embeddings projected: layer 0's input all-reduced outside it
     "BambaForCausalLM",      # Mamba-2 with one B / C group: those rows of in_proj whole, gated norm

@@ -123,8 +123,11 @@ def _titan(kind: str):
         from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs as Args
         from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model as Model
         from torchtitan.models.moe import MoEArgs
+        # the latent a quarter of hidden or less, as DeepSeek-V3's (512 of 7168) and the HF
+        # sweep's MLA (kv 8): at half of hidden, wkv_a -> wkv_b is no low-rank pair and the bound
+        # would split wkv_a
         args = Args(vocab_size=VOCAB, dim=HIDDEN, inter_dim=INTER, moe_inter_dim=32,
-                    n_layers=LAYERS, n_dense_layers=1, n_heads=HEADS, kv_lora_rank=32,
+                    n_layers=LAYERS, n_dense_layers=1, n_heads=HEADS, kv_lora_rank=8,
                     q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                     max_seq_len=128, original_seq_len=128,
                     moe_args=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2,

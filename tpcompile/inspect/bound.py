@@ -24,13 +24,14 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
   ops (sums, a ``cat`` of them) before any other use (a MoE block's experts: one), of the summed
   value's bytes; and one per statistic (a norm's mean) over a colwise matmul's whole output
-  features.
+  features, or over all heads of attention's output when the matmul makes its value (BitNet's
+  norm before ``o_proj``).
 * Backward: one all-reduce per distinct activation entering the colwise matmuls, followed back
   through views, index picks, splits, repeats and scalings to the value they copy (q, k and v:
-  one; every expert's picked tokens: one), of that value's bytes; one for the statistics'
-  gradients. Whole non-matmul weights read where features are cut (a per-head q / k norm's
-  weight) have partial gradients that ride in the sync of the colwise input they are read
-  after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read
+  one; every expert's picked tokens: one), of that value's bytes; one for the gradients of the
+  statistics that follow each such activation. Whole non-matmul weights read where features
+  are cut (a per-head q / k norm's weight) have partial gradients that ride in the sync of the
+  colwise input they are read after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read
   the block's activation: their gradients join its all-reduce.
 * A colwise matmul whose output is cut (split, head slices, list indices; inside a piece also
   after channelwise ops, Mamba-2's depthwise conv1d) into pieces, some viewed as fewer heads
@@ -189,8 +190,12 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     sizes = {n: value_bytes(n) for n in roots | stats}
     fused = [(m, whole_rows(m, world_size)) for m in cols]
     fused = [m.node.meta["val"].dtype.itemsize * rows * m.in_features for m, rows in fused if rows]
+    # statistics' gradients: one all-reduce per colwise input they follow (OLMo 2's q and k
+    # norms together; BitNet's norms after attention and in the MLP one each)
+    stat_syncs = {root_of(m.activation, layer, passing) for m in cols
+                  if m.statistics and m.activation is not None}
     return BlockBound(layer, forward + len(stats),
-                      len(roots) + bool(stats) + bool(whole and not roots) + len(fused),
+                      len(roots) + len(stat_syncs) + bool(whole and not roots) + len(fused),
                       forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
                       + sum(value_bytes(w) for w in whole) + sum(fused),
                       tuple(sorted({w.target for w in whole})),

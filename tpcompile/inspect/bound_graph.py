@@ -21,7 +21,7 @@ from tpcompile.core.capture import Capture, concrete_shape, module_path
 from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
-from tpcompile.passes.planner.rules.table import is_view
+from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
 __all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", "whole_read"]
@@ -220,7 +220,8 @@ def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | No
 def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
     """Reductions over every output feature of ``m`` or of one of its pieces (a norm over the
     whole projection, not per head; Mamba-2's gated norm over its z piece), reached through
-    views, pieces and elementwise ops."""
+    views, pieces and elementwise ops, and from a value through attention to a norm over all
+    its heads' outputs (BitNet's ``attn_sub_norm`` before ``o_proj``)."""
     widths = {m.out_features} | {f for f, _ in m.parts}
     out, seen, todo = [], set(), list(m.node.users)
     while todo:
@@ -232,9 +233,23 @@ def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
                 and _last(n) != _last(n.args[0])):
             out.append(n)
         elif is_view(n) or n.target in _SUMS | _SPLITS | _UNARY or _is_piece(n) \
-                or n.target is aten.pow.Tensor_Scalar:
-            todo.extend(n.users)
+                or n.target is aten.pow.Tensor_Scalar or _value_operand(n) is not None:
+            if _value_operand(n) is not None and len(dims := _sizes(n)) == 4:
+                widths.add((dims[1] or 0) * (dims[3] or 0))  # (B, heads, T, D) -> heads x D
+            todo.extend(u for u in n.users if _value_operand(u) in (None, n))
     return tuple(out)
+
+
+def _value_operand(n: fx.Node) -> fx.Node | None:
+    """The operand whose features attention carries, per head, to its output: the value of
+    ``scaled_dot_product_attention`` or of ``weights @ v`` (a matmul of two computed values);
+    None for any other op."""
+    if is_attention(n):
+        return n.args[2]
+    if n.target in (aten.matmul.default, aten.bmm.default) and len(n.args) > 1 and not any(
+            stored_inputs(a) is not None for a in n.all_input_nodes):
+        return n.args[1]
+    return None
 
 
 def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
