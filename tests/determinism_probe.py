@@ -69,9 +69,10 @@ def cases():
         yield name, model, x, case["world_size"], random_models.options(case["spec"])
 
 
-def hf_cases():
-    """Every family of the transformers sweep at 2 ranks, built lazily (a build may fail)."""
-    for name in hf_sweep.families():
+def hf_cases(names: list[str] | None = None):
+    """These families of the transformers sweep (default: every one) at 2 ranks, built lazily
+    (a build may fail)."""
+    for name in names or hf_sweep.families():
         yield name, lambda name=name: hf_sweep.build(name), (hf_sweep.example_ids(),), 2, {}
 
 
@@ -85,8 +86,8 @@ def main(argv: list[str]) -> None:
     if os.environ.get("TPCOMPILE_PROBE_NODE_HASH"):
         shuffle_node_hashes(int(os.environ["TPCOMPILE_PROBE_NODE_HASH"]))
     out = {}
-    if "--hf-all" in argv:
-        for name, build, x, ws, options in hf_cases():
+    if "--hf-all" in argv:  # optionally followed by family names
+        for name, build, x, ws, options in hf_cases(argv[argv.index("--hf-all") + 1:]):
             try:
                 out[name] = probe(build(), x, ws, options)
             except Exception as e:  # noqa: BLE001 - the error is the result, compared across runs
