@@ -1,11 +1,13 @@
 """docs/guarantees.md's claim -> test table covers every number of the README: each number in
 the README's prose (outside the demo's output block, which ``tpcompile demo`` checks, and the
 support table, which tests/unit/test_support_table.py recomputes) must appear in the "README
-claim" column of that table, so a new number cannot land without its guard being named.
+claim" column of that table, so a new number cannot land without its guard being named. The
+transformers sweep's counts in the README are checked against the sweep's results file.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -41,3 +43,19 @@ def test_every_readme_number_has_a_row():
     assert {"1e-5", "10.6%"} <= readme, readme  # the extraction sees the claims
     missing = sorted(readme - set(NUMBER.findall(_claims())) - set(NAMES))
     assert not missing, f"README numbers with no row in docs/guarantees.md's table: {missing}"
+
+
+def test_readme_sweep_counts_are_the_results_files():
+    """The README's transformers-sweep sentence is read off bench/results/hf_sweep.json (the
+    sweep's own rows, judged against the derived bound), not typed in."""
+    data = json.loads((ROOT / "bench/results/hf_sweep.json").read_text())
+    rows = data["rows"]
+    captured = sum(bool(r.get("captured")) for r in rows)
+    at = [r for r in rows if r["status"] == "at bound"]
+    exact = sum(bool(r.get("exact")) for r in at)
+    version = ".".join(data["transformers"].split(".")[:2])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for claim in (f"Of the {captured} causal-LM families of transformers {version}",
+                  f"{len(at)} ({round(100 * len(at) / captured)}%) are planned at Megatron's bound",
+                  f"{exact} of them are exact on 2 gloo ranks"):
+        assert claim in readme, claim
