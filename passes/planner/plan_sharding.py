@@ -20,9 +20,14 @@
    reductions*: a partial sum that one consumer all-reduces is read reduced by all of them.
 4. *Reductions in pieces*: a partial sum split, sliced or cast into pieces that are reduced
    one by one is reduced once where it is made.
+5. *Carried sums*: a tree of sums adding several row-parallel outputs and a replicated
+   residual (``x + attn(h) + mlp(h)``) reads the residual as rank 0's share of the partial
+   sum, so the tree is reduced once, not once per partial sum
+   (:mod:`tpcompile.passes.planner.carried_sums`).
 
 Refinements that change propagation (1, 3) are settled before regions are judged (2), since
-a killed root stays killed; 4 merges reductions only of regions that stand as written.
+a killed root stays killed; 4 merges reductions only of regions that stand as written, and 5
+carries sums only once the rest has settled.
 
 Then :mod:`tpcompile.passes.planner.freeze` reads the settled state into the plan:
 parameters whose every use wants the same shard are sharded themselves (instead of being
@@ -47,6 +52,7 @@ from tpcompile.passes.planner.rules import cache_behind, is_lookup
 from tpcompile.passes.planner.grad_syncs import (
     grad_syncs, is_distributed, values_with_grad, whole_grads_into_chunks, whole_roots,
 )
+from tpcompile.passes.planner.carried_sums import carried_sums
 from tpcompile.passes.planner.freeze import consumed, freeze, pulled_back
 from tpcompile.passes.planner.grouped_experts import whole_grouped_experts
 from tpcompile.passes.planner.looped_experts import whole_looped_experts
@@ -111,9 +117,15 @@ def plan_sharding(cap: Capture, world_size: int,
         # regions are judged on the reductions their code pays; the ones that stand then
         # reduce each partial sum once rather than in pieces
         pieces = _partials_reduced_in_pieces(state) - constraints.reduce_early
-        if not pieces:
+        if pieces:
+            constraints.reduce_early |= pieces
+            continue
+        # last, on the plan as it stands: sums of row-parallel outputs and a residual carried
+        # partial, reduced once
+        carried = carried_sums(gm, state, options.sequence_parallel) - constraints.carried
+        if not carried:
             break
-        constraints.reduce_early |= pieces
+        constraints.carried |= carried
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     plan = whole_grouped_experts(gm, freeze(cap, state, constraints, world_size, needs_grad),

@@ -47,6 +47,7 @@ class Constraints:
     demands: list[Demand] = field(default_factory=list)
     tied: set[str] = field(default_factory=set)             # roots embeddings must follow
     reduce_early: set[str] = field(default_factory=set)     # partial sums every consumer reads reduced
+    carried: set[str] = field(default_factory=set)          # sums kept partial (carried_sums)
     seq_len: int | None = None                              # sequence parallelism: static length
     # in-place cache write -> the shard its readers slice (fewer kv heads than ranks: each
     # rank stores the heads its query heads read)
@@ -114,6 +115,11 @@ class OpView:
             self.required[arg] = placement
         else:
             self.required.pop(arg, None)
+
+    def carries_sum(self) -> bool:
+        """The planner carries this sum partial: replicated operands enter as rank 0's share
+        (:mod:`tpcompile.passes.planner.carried_sums`)."""
+        return self.node.name in self.constraints.carried
 
     def reject(self, root: str, reason: str) -> None:
         """Keep ``root`` whole from the next round on (its region stays otherwise as it is)."""

@@ -1,8 +1,9 @@
 """Insert the plan's conversions and gradient syncs into one rank's graph.
 
 * Each conversion ``(value, user) -> placement`` becomes the ops that produce it: an all-reduce
-  (Partial -> Replicate, Megatron *g*), an all-gather (Shard -> Replicate), or local slices
-  (Replicate -> Shard: no communication). Users that need the same value in the same placement
+  (Partial -> Replicate, Megatron *g*), an all-gather (Shard -> Replicate), local slices
+  (Replicate -> Shard: no communication), or ``zero_summand`` (Replicate -> Partial, a carried
+  sum's replicated operand: the value on rank 0, zeros elsewhere, its gradient whole). Users that need the same value in the same placement
   share one conversion, so a value feeding q, k and v is converted once.
 * Each replicated value whose gradient arrives as per-rank partial sums gets one
   ``copy_to_region`` (Megatron *f*) in front of the consumers that make it partial; weights
@@ -56,6 +57,9 @@ class _Converter:
         if isinstance(src, Partial) and isinstance(dst, Shard):
             width, index, mine, _ = gather_args(self.specs, dst.layout, self.rank, ws)
             return g.call_function(C.reduce_scatter, (x, dst.dim, width, index, mine, ws, self.group))
+        if isinstance(dst, Partial):  # a carried sum's replicated operand: rank 0's share
+            assert isinstance(src, Replicate), (src, dst)
+            return g.call_function(C.zero_summand, (x, self.rank == 0))
         if isinstance(src, Partial):
             x = g.call_function(C.all_reduce, (x, self.group))
             return g.call_function(C.copy_to_region, (x, self.group)) if sum_grads else x

@@ -78,6 +78,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "qk_normalize_per_head": (2, 4),
     "mlp_normalize_hidden": (2, 4),
     "qk_norm_autocast_off": (2, 4),
+    # Cohere / litgpt: x + attn(ln(x)) + mlp(ln(x)), the residual first: rank 0's share of the
+    # two row-parallel outputs' partial sum, one forward all-reduce per block
+    "parallel_block_residual_first": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 

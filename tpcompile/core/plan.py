@@ -99,6 +99,11 @@ class Conversion:
     ``sum_grads``: the consumer differentiates the converted (replicated) value only partially
     per rank (it feeds a sharded region), so the conversion's backward must sum over ranks:
     a gather's backward becomes a reduce-scatter, an all-reduce's backward an all-reduce.
+
+    ``kind`` names what it costs: ``all_reduce`` (+``slice``), ``all_gather`` (+``slice``),
+    ``slice`` (local, no communication), and ``summand``: a replicated value entering a
+    partial sum as rank 0's share (zeros on the others; no communication, and its gradient
+    whole on every rank: ``passes/planner/carried_sums.py``).
     """
 
     value: str
@@ -112,6 +117,8 @@ class Conversion:
         s, d = self.src, self.dst
         if isinstance(s, Partial):
             return "all_reduce" if isinstance(d, Replicate) else "all_reduce+slice"
+        if isinstance(d, Partial):
+            return "summand"  # R -> P: rank 0 keeps the value, the others add zeros
         if isinstance(s, Shard) and isinstance(d, Replicate):
             return "all_gather"
         if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim:

@@ -20,7 +20,7 @@ from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
 from tpcompile.passes.planner.quantized import dequantized_readers, dequantized_weight
-from tpcompile.passes.planner.rules import is_param_matmul
+from tpcompile.passes.planner.rules import is_param_matmul, is_sum
 
 __all__ = ["Chain", "find_chains", "layer_of"]
 
@@ -88,26 +88,29 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
     node_roots: dict[str, set[str]] = {}
     for node in gm.graph.nodes:
         out = plan.placements.get(node.name)
-        roots = _roots(out)
+        roots, summed = _roots(out), set()
         layer = layer_of(module_path(node))
         for arg in node.all_input_nodes:
-            if isinstance(out, Partial):  # partial sums carry their chain until reduced
-                roots |= node_roots.get(arg.name, set())
             if layer and layer_of(module_path(arg)) != layer:
                 # a shard made outside this layer and read in several (CPM-Ant's relative
-                # position bias, cut by heads): linking through it would make all one chain
+                # position bias, cut by heads), or a partial sum carried on from the layer
+                # before (a carried residual): linking through it would make all one chain
                 continue
+            if isinstance(out, Partial):  # partial sums carry their chain until reduced
+                # a sum of partial sums (attention's and the MLP's in a parallel block) ends
+                # each of its chains; it joins none of them to another
+                (summed if is_sum(node) else roots).update(node_roots.get(arg.name, ()))
             roots |= _roots(plan.placements.get(arg.name))
             roots |= _roots(consumed.get((arg.name, node.name)))
         for r in roots:
-            parent[find(r)] = find(next(iter(roots)))
-        if roots:
-            node_roots[node.name] = roots
+            parent[find(r)] = find(min(roots))
+        if roots or summed:
+            node_roots[node.name] = roots | summed
 
     members: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.name in node_roots:
-            members.setdefault(find(next(iter(node_roots[node.name]))), []).append(node)
+        if node.name in node_roots:  # a sum of several chains' partial sums joins the first's
+            members.setdefault(find(min(node_roots[node.name])), []).append(node)
     chains, chain_of = [], {}
     readers = dequantized_readers(gm)
     for group in members.values():

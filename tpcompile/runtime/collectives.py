@@ -18,7 +18,7 @@ import torch
 from tpcompile.errors import CollectiveError
 from tpcompile.runtime.timeouts import collective_failure
 
-__all__ = ["all_reduce", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
+__all__ = ["all_reduce", "zero_summand", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
            "reduce_scatter",
            "COLLECTIVE_FNS", "count_collectives"]
 
@@ -112,9 +112,30 @@ class _SyncGradPieces(torch.autograd.Function):
         return (None, None, None, *out)
 
 
+class _ZeroSummand(torch.autograd.Function):
+    """Replicate -> Partial: rank 0's share is the value, every other rank's zeros. The
+    partial sum's gradient is whole on every rank (the all-reduce that ends it passes it
+    through), and so is the replicated value's: backward is the identity on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        return x.view_as(x) if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Partial -> Replicate (Megatron g)."""
     return _AllReduce.apply(x, group)
+
+
+def zero_summand(x: torch.Tensor, keep: bool) -> torch.Tensor:
+    """Replicate -> Partial with no communication: ``x`` on the rank that ``keep``s it (rank
+    0), zeros on the others, so the ranks' values sum to ``x``; the gradient passes through
+    whole on every rank (a carried sum: ``passes/planner/carried_sums.py``)."""
+    return _ZeroSummand.apply(x, keep)
 
 
 def copy_all_to_region(xs: list, group: str) -> tuple:

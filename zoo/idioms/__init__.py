@@ -9,7 +9,8 @@ Megatron bound points at its idiom. Each idiom is written as its code base write
 as tpcompile would like it.
 
 The models live by the step they write differently: :mod:`zoo.idioms.skeleton` (the baseline),
-``positions``, ``projections``, ``attention`` and ``mlps``; this module is the registry.
+``positions``, ``projections``, ``attention``, ``mlps`` and ``blocks`` (how a block adds its
+attention and MLP to the residual); this module is the registry.
 ``IDIOMS[name]`` is a zero-argument factory, ``build(name)`` the deterministic model,
 ``EXPECT[name]`` what a Megatron-style plan of it is: which parameters are column-parallel,
 row-parallel and replicated (fnmatch globs on parameter FQNs), and the all-reduces per layer.
@@ -35,6 +36,7 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
+from zoo.idioms.blocks import ParallelResidualFirst
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
                              InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM,
                              RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
@@ -258,6 +260,13 @@ _REGISTRY = [
     ("sdpa_padding_mask", lambda: PaddingMaskLM(attn=MaskedSDPA), BASELINE),
     ("mqa_sdpa_broadcast", lambda: LM(attn=partial(Attention, n_kv_heads=1)),  # Falcon
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
+    # attention and MLP side by side on one norm, the residual added first: wo's and w2's
+    # partial sums and the residual (rank 0's share) summed, then ONE forward all-reduce; the
+    # norm's output enters both chains through one gradient sync: ONE backward
+    ("parallel_block_residual_first", lambda: LM(block=ParallelResidualFirst),
+     Expect(colwise=BASELINE.colwise, rowwise=BASELINE.rowwise,
+            replicated=("embed.weight", "head.weight", "norm.weight", "layers.*.norm.weight"),
+            fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
 ]
 # what each idiom writes its own way, for the support table bench/idioms.py generates
 STYLES = {
@@ -303,6 +312,7 @@ STYLES = {
     "per_layer_inputs": "Gemma 3n / 4 per-layer inputs: a `(B, T, layers, P)` tensor made before the blocks, block i gated by `inputs[:, :, i, :]`",
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
+    "parallel_block_residual_first": "Cohere / litgpt `parallel_residual`: one norm, `x + attn(ln(x)) + mlp(ln(x))` with the residual added first",
 }
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}

@@ -11,7 +11,7 @@ import operator
 import torch
 from torch import fx
 
-from tpcompile.core.placement import Partial, Shard
+from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.rng import sharded_dropout
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules.table import RULES, TAGGED, Rule, register, zero_filled
@@ -25,6 +25,10 @@ def _pointwise(linear):
     def propagate(op):
         out = shape(op.node)
         tensors = kept = _tensor_args(op.node)
+        if linear == "add" and op.carries_sum():
+            carried = _carried_sum(op, tensors)
+            if carried is not None:
+                return carried
         if linear == "add" and any(isinstance(op.placement(t), Partial) for t in tensors):
             kept = [t for t in tensors if not zero_filled(t)] or tensors
         # a sum of partial sums is one, and so is a partial sum plus zeros (left out above);
@@ -34,6 +38,21 @@ def _pointwise(linear):
             kind = "add" if len(kept) > 1 else ("unary" if len(kept) < len(tensors) else None)
         return einsum_rule(op, _broadcast_labels(kept, out), list(range(len(out))), kind)
     return propagate
+
+
+def _carried_sum(op, tensors):
+    """A sum the planner carries partial (``Constraints.carried``, see
+    :mod:`tpcompile.passes.planner.carried_sums`): each replicated operand enters as rank 0's
+    share (a ``summand`` conversion: zeros on the other ranks), partial ones as they are, so
+    the output is one partial sum. A partial sum the planner reduces early for its other
+    readers is read here as the partial sum it is, which needs no conversion at all. None
+    (planned as any sum) when an operand is sharded."""
+    placements = [op.placement(t) for t in tensors]
+    if any(not isinstance(p, (Partial, Replicate)) for p in placements):
+        return None
+    for t in tensors:
+        op.require(t, Partial())
+    return Partial()
 
 
 UNARY_LINEAR = [
@@ -84,7 +103,9 @@ register(*POINTWISE, elementwise=True)(_pointwise(None))
 register(aten.__and__.Scalar, aten.bitwise_and.Scalar, aten.__or__.Scalar, aten.bitwise_or.Scalar,
          aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar, aten.__lshift__.Scalar,
          aten.bitwise_left_shift.Tensor_Scalar, elementwise=True)(_pointwise(None))
-register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub, elementwise=True)(_pointwise("add"))
+# sums: a replicated operand may enter as rank 0's share of a partial sum (carried_sums)
+register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub, elementwise=True,
+         sums=True)(_pointwise("add"))
 register(aten.mul.Tensor, operator.mul, elementwise=True)(_pointwise("mul"))
 
 

@@ -22,7 +22,7 @@ from tpcompile.passes.planner.rules.einsum import _tensor_args
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
            "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul", "is_attention",
-           "flops_of", "piece_of", "ZERO_FILLED", "zero_filled"]
+           "flops_of", "piece_of", "ZERO_FILLED", "zero_filled", "is_sum"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class Rule:
       rows: ``zeros[idx]``), as views do; see :func:`zero_filled`.
     - ``flops(node)``: ``(FLOPs, operands)`` of one whole call, for the cost model: the
       operands whose shard divides them (None: not counted, as elementwise ops and norms).
+    - ``sums``: its output is the (signed, scaled) sum of its tensor operands and nothing else
+      (``add``, ``sub``): a replicated operand may enter it as rank 0's share of a partial sum
+      (zeros on the other ranks), so a sum of row-parallel outputs and a residual stays
+      partial and is reduced once (:mod:`tpcompile.passes.planner.carried_sums`).
     """
     propagate: Callable
     localize: Callable | None = None
@@ -74,6 +78,7 @@ class Rule:
     splits: bool = False
     flops: Callable | None = None
     keeps_zeros: bool = False
+    sums: bool = False
 
 
 RULES: dict = {}
@@ -179,6 +184,11 @@ def is_lookup(node: fx.Node) -> bool:
 def weight_out_first(node: fx.Node) -> bool:
     """Its weight is stored (out features, in features): a column cut splits dim 0."""
     return bool(_fact(node, "weight_out_first"))
+
+
+def is_sum(node: fx.Node) -> bool:
+    """Its output is the sum of its tensor operands (``sums``: ``add``, ``sub``)."""
+    return bool(_fact(node, "sums"))
 
 
 def is_grouped_matmul(node: fx.Node) -> bool:
