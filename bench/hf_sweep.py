@@ -42,8 +42,7 @@ TIMEOUT_S = 120
 
 # At Megatron's bound derived from the model and exact on 2 gloo ranks, chosen to cover the
 # distinct ways of writing a decoder block; for CI (`--representative`). Bloom (custom
-# autograd.Function, not captured) is not here; nor is Cohere, above the derived bound
-# (tests/unit/test_hf_families.py holds it there until the planner meets it).
+# autograd.Function, not captured) is not here.
 REPRESENTATIVE: tuple[str, ...] = (
     "LlamaForCausalLM",      # SwiGLU, RoPE, GQA 4q/2kv: KV heads sharded with their queries
     "MistralForCausalLM",    # llama-like with a sliding window
@@ -66,6 +65,7 @@ REPRESENTATIVE: tuple[str, ...] = (
     "Qwen3_5ForCausalLM",    # gated delta rule: its in-place forward substitution made out of place
     "FalconForCausalLM",     # MQA: the kv head picked from the fused qkv by list indices
     "GptOssForCausalLM",     # interleaved gate/up by strided slices, per-expert biases by index
+    "CohereForCausalLM",     # parallel block, residual first: its sum carried, reduced once (1/1)
 )
 
 # Families that are not text-only causal LMs over token ids, or need something not installed.

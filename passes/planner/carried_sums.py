@@ -16,6 +16,10 @@ replicated operand as rank 0's share of the partial sum, a ``summand`` conversio
 (``Conversion.kind``) that the rewrite turns into ``zero_summand``: rank 0 keeps the value,
 every other rank adds zeros. The tree's output is then one partial sum, reduced once by
 whoever reads it whole (the next layer's norm): one all-reduce instead of one per partial sum.
+That all-reduce is taken where the tree ends (the top is reduced early, for every reader that
+does not add it into a sum of its own): carried on through the ops linear in it (Cohere's
+LayerNorm casts it and subtracts its mean before it squares), the partial sum would reach
+a norm's statistics and make the next block's chains pay for it.
 A tree with one partial sum (Llama's sequential ``x + attn(norm(x))``) saves nothing and is
 left as it is; so is a partial sum that another reader reduces anyway (it costs its
 all-reduce either way). The replicated value itself is untouched for its other readers (its
@@ -51,19 +55,24 @@ __all__ = ["carried_sums"]
 WORTH = 2
 
 
-def carried_sums(gm: fx.GraphModule, state: Propagation, sequence_parallel: bool) -> set[str]:
-    """The sum nodes whose replicated operands should enter their partial sums as rank 0's
-    share: every sum of each tree where that saves all-reduces (see the module docstring)."""
+def carried_sums(gm: fx.GraphModule, state: Propagation, sequence_parallel: bool,
+                 carried: set[str]) -> tuple[set[str], set[str]]:
+    """``(sums, tops)``: the sum nodes whose replicated operands should enter their partial
+    sums as rank 0's share, in every tree where that saves all-reduces (see the module
+    docstring), and the tops of those trees, each reduced where it is made. ``carried``: the
+    sums carried already (their trees no longer show a replicated operand)."""
     if sequence_parallel or state.specs.world_size < 2:
-        return set()
-    out: set[str] = set()
+        return set(), set()
+    sums: set[str] = set()
+    tops: set[str] = set()
     for top in gm.graph.nodes:
         if not _summable(state, top) or _in_tree(state, top):
             continue
         tree = _tree(state, top)
-        if _saved(state, tree) >= WORTH:
-            out.update(n.name for n in tree if _replicated_operands(state, n))
-    return out
+        if _saved(state, tree, carried) >= WORTH:
+            sums.update(n.name for n in tree if _replicated_operands(state, n))
+            tops.add(top.name)
+    return sums, tops
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
@@ -124,11 +133,11 @@ def _leaves(tree: list[fx.Node]) -> list[fx.Node]:
     return out
 
 
-def _saved(state: Propagation, tree: list[fx.Node]) -> int:
+def _saved(state: Propagation, tree: list[fx.Node], carried: set[str]) -> int:
     """How many partial sums the tree adds that only it reads, each reduced on its own unless
-    the tree is carried (0 when no sum of the tree mixes a replicated operand in: the tree is
-    then one partial sum already)."""
-    if not any(_replicated_operands(state, n) for n in tree):
+    the tree is carried (0 when no sum of the tree mixes a replicated operand in, nor was
+    carried for one: the tree is then one partial sum already)."""
+    if not any(_replicated_operands(state, n) or n.name in carried for n in tree):
         return 0
     members = set(tree)
     return sum(1 for leaf in _leaves(tree)

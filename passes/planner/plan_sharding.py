@@ -122,10 +122,13 @@ def plan_sharding(cap: Capture, world_size: int,
             continue
         # last, on the plan as it stands: sums of row-parallel outputs and a residual carried
         # partial, reduced once
-        carried = carried_sums(gm, state, options.sequence_parallel) - constraints.carried
-        if not carried:
+        carried, tops = carried_sums(gm, state, options.sequence_parallel, constraints.carried)
+        carried -= constraints.carried
+        tops -= constraints.reduce_early
+        if not carried and not tops:
             break
         constraints.carried |= carried
+        constraints.reduce_early |= tops  # each tree reduced once, where it ends
     else:
         log.warning("tpcompile: planner did not settle after %d rounds", MAX_ROUNDS)
     plan = whole_grouped_experts(gm, freeze(cap, state, constraints, world_size, needs_grad),
