@@ -116,7 +116,7 @@ def plan_sharding(cap: Capture, world_size: int,
             continue
         # regions are judged on the reductions their code pays; the ones that stand then
         # reduce each partial sum once rather than in pieces
-        pieces = _partials_reduced_in_pieces(state) - constraints.reduce_early
+        pieces = _partials_reduced_in_pieces(state, constraints.carried) - constraints.reduce_early
         if pieces:
             constraints.reduce_early |= pieces
             continue
@@ -334,9 +334,13 @@ def _mixed_partials(state: Propagation) -> set[str]:
     return out
 
 
-def _partials_reduced_in_pieces(state: Propagation) -> set[str]:
+def _partials_reduced_in_pieces(state: Propagation, carried: set[str]) -> set[str]:
     """Partial sums that ops linear in them carry on (splits, slices, matmuls, casts) until
     several consumers each reduce their own piece (all-reduce or reduce-scatter).
+
+    A partial sum read by a carried sum (``carried``) is a summand of that sum's tree, reduced
+    with it once, not a piece of its own: a block's carried residual, reduced for the next
+    block's norm and also added into the next block's sum, is reduced once where it is made.
 
     Mamba's ``x_proj`` output is split into dt, B and C; C is sliced once per time step, and dt
     runs through ``dt_proj`` before it meets the channel shards: one all-reduce where the sum
@@ -359,6 +363,8 @@ def _partials_reduced_in_pieces(state: Propagation) -> set[str]:
                     continue
                 if _partial(read) and not _partial(state.placements.get(user)):
                     continue  # not read as data: a metadata check, type_as's dtype operand
+                if _partial(read) and user.name in carried:
+                    continue  # a summand of a carried tree, reduced with it
                 more = reductions(user) if _partial(read) else None
                 if more is None:
                     found = None
