@@ -104,10 +104,18 @@ def _partial_sources(value: fx.Node, plan) -> set[str]:
 
 
 def _boundary_problem(chain: Chain, trace: RewriteTrace) -> str | None:
-    """Data may enter a chain only through colwise Linears and leave only through rowwise ones."""
+    """Data may enter a chain only through colwise Linears and leave only through rowwise ones.
+
+    A carried sum is no problem: its replicated operand enters the row-parallel outputs'
+    partial sum as rank 0's share (``summand``), and the partial sums it adds are the exits of
+    several chains (a parallel block's attention and MLP). ``parallelize_module`` reduces each
+    rowwise Linear's output and adds them whole: the same values, one all-reduce per chain."""
     plan = trace.plan
     nodes = {n.name: n for n in trace.gm.graph.nodes}
+    exits = {e for c in trace.chains for e in c.exits}
     for c in plan.conversions:
+        if c.kind == "summand":
+            continue
         if c.user in chain.nodes:
             why = plan.fallbacks.get(c.user)
             return (f"tpcompile inserts {c.kind} of {c.value} before {c.user} inside the chain"
@@ -116,7 +124,7 @@ def _boundary_problem(chain: Chain, trace: RewriteTrace) -> str | None:
         if c.value in chain.nodes and c.kind != "all_reduce":
             return (f"the chain's {c.value} leaves it through {c.kind} (before {c.user}); "
                     "parallelize_module ends a chain only with a row-parallel all-reduce")
-        stray = _partial_sources(nodes[c.value], plan) - set(chain.exits) if (
+        stray = _partial_sources(nodes[c.value], plan) - exits if (
             c.value in chain.nodes) else set()
         if stray:
             return (f"tpcompile all-reduces partial sums of {', '.join(sorted(stray))}, which no "
