@@ -91,15 +91,18 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
         roots, summed = _roots(out), set()
         layer = layer_of(module_path(node))
         for arg in node.all_input_nodes:
-            if layer and layer_of(module_path(arg)) != layer:
+            elsewhere = layer and layer_of(module_path(arg)) != layer
+            if isinstance(out, Partial) and not is_sum(node):
+                roots |= node_roots.get(arg.name, set())  # partial sums carry their chain
+            elif isinstance(out, Partial) and not elsewhere:
+                # a sum of partial sums (a parallel block's attention and MLP) ends each of
+                # its chains and joins none of them to another; one made in the block before
+                # (a carried residual) is not this block's
+                summed |= node_roots.get(arg.name, set())
+            if elsewhere:
                 # a shard made outside this layer and read in several (CPM-Ant's relative
-                # position bias, cut by heads), or a partial sum carried on from the layer
-                # before (a carried residual): linking through it would make all one chain
+                # position bias, cut by heads): linking through it would make all one chain
                 continue
-            if isinstance(out, Partial):  # partial sums carry their chain until reduced
-                # a sum of partial sums (attention's and the MLP's in a parallel block) ends
-                # each of its chains; it joins none of them to another
-                (summed if is_sum(node) else roots).update(node_roots.get(arg.name, ()))
             roots |= _roots(plan.placements.get(arg.name))
             roots |= _roots(consumed.get((arg.name, node.name)))
         for r in roots:
@@ -109,7 +112,7 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
 
     members: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.name in node_roots:  # a sum of several chains' partial sums joins the first's
+        if node.name in node_roots:  # a sum of several chains' partial sums joins one of them
             members.setdefault(find(min(node_roots[node.name])), []).append(node)
     chains, chain_of = [], {}
     readers = dequantized_readers(gm)
