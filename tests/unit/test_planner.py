@@ -235,3 +235,29 @@ def test_histc_reads_its_input_whole_and_counts_replicated():
     assert all(isinstance(plan.placement(n), Replicate) for n in ("histc", "histc_1"))
     x = torch.randint(0, 4, (64,))
     assert torch.equal(torch.histc(x, bins=4, min=0, max=4), torch.bincount(x, minlength=4))
+
+
+def _idiom_plan(name, ws, **options):
+    from zoo import idioms
+    return plan_model(idioms.build(name), idioms.example_inputs(), ws, **options)[1]
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_parallel_block_residual_first_carries_its_sum(ws):
+    """x + attn(ln(x)) + mlp(ln(x)): the residual enters wo's and w2's partial sum as rank 0's
+    share (a summand conversion, no collective), the sum is reduced once per block, and the
+    residual's gradient needs no sync (only the norm's output, read by both chains, has one)."""
+    plan = _idiom_plan("parallel_block_residual_first", ws)
+    summands = [c for c in plan.conversions if c.kind == "summand"]
+    assert [c.value for c in summands] == ["embedding"]  # block 1 adds block 0's sum partially
+    assert len({c.value for c in all_reduces(plan)}) == 2  # one per block
+    assert set(plan.grad_syncs) == {"layer_norm", "layer_norm_1"}
+    assert ShardingPlan.from_json(plan.to_json()).conversions == plan.conversions
+
+
+def test_carried_sums_leave_sequential_blocks_and_sequence_parallelism_alone():
+    """One partial sum per residual add (Llama) gains nothing; under sequence parallelism the
+    residual stream is cut by position and nothing is carried."""
+    assert not [c for c in plan_for("llama", 2).conversions if c.kind == "summand"]
+    sp = _idiom_plan("parallel_block_residual_first", 2, sequence_parallel=True)
+    assert not [c for c in sp.conversions if c.kind == "summand"]
