@@ -1,10 +1,12 @@
 """Carried sums: a residual added to row-parallel outputs rides in their partial sum, reduced once.
 
-Cohere, litgpt's pythia / phi-2 / Falcon (``parallel_residual``) and GPT-J-style blocks run
-attention and the MLP side by side on one normed input and add both to the residual stream
-in one expression. Written ``x + attn(h) + mlp(h)``, the residual comes first: export gives
-``add(add(x, o), d)``, where ``o`` and ``d`` are the partial sums of the row-parallel ``o_proj``
-and ``down_proj`` and ``x`` is replicated. A partial sum plus a replicated value is no partial
+Cohere's blocks and litgpt's ``parallel_residual`` ones (pythia, phi-2, Falcon) run attention
+and the MLP side by side and add both to the residual stream in one expression, where each
+row-parallel output meets a replicated value before it meets the other. Cohere writes
+``x + attn(h) + mlp(h)``, the residual first: export gives ``add(add(x, o), d)``, where ``o``
+and ``d`` are the partial sums of the row-parallel ``o_proj`` and ``down_proj`` and ``x`` is
+replicated; litgpt writes ``mlp(h2) + attn(h1) + x`` with a bias on each projection, added to
+its partial sum first (``split_bias``). A partial sum plus a replicated value is no partial
 sum (every rank would add ``x``), so the rule table reduces ``o`` at the first ``add`` and
 ``d`` at the second: two forward all-reduces where Megatron pays one for the block.
 

@@ -116,7 +116,7 @@ class OpView:
         else:
             self.required.pop(arg, None)
 
-    def carries_sum(self) -> bool:
+    def sum_is_carried(self) -> bool:
         """The planner carries this sum partial: replicated operands enter as rank 0's share
         (:mod:`tpcompile.passes.planner.carried_sums`)."""
         return self.node.name in self.constraints.carried

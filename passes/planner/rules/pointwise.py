@@ -25,7 +25,7 @@ def _pointwise(linear):
     def propagate(op):
         out = shape(op.node)
         tensors = kept = _tensor_args(op.node)
-        if linear == "add" and op.carries_sum():
+        if linear == "add" and op.sum_is_carried():
             carried = _carried_sum(op, tensors)
             if carried is not None:
                 return carried
