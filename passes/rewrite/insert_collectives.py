@@ -3,8 +3,9 @@
 * Each conversion ``(value, user) -> placement`` becomes the ops that produce it: an all-reduce
   (Partial -> Replicate, Megatron *g*), an all-gather (Shard -> Replicate), local slices
   (Replicate -> Shard: no communication), or ``zero_summand`` (Replicate -> Partial, a carried
-  sum's replicated operand: the value on rank 0, zeros elsewhere, its gradient whole). Users that need the same value in the same placement
-  share one conversion, so a value feeding q, k and v is converted once.
+  sum's replicated operand: the value on rank 0, zeros elsewhere, its gradient whole). Users
+  that need the same value in the same placement share one conversion, so a value feeding q,
+  k and v is converted once.
 * Each replicated value whose gradient arrives as per-rank partial sums gets one
   ``copy_to_region`` (Megatron *f*) in front of the consumers that make it partial; weights
   with replicated blocks get ``sync_grad_pieces`` on those blocks, one per repeated block.
