@@ -103,17 +103,22 @@ def _reclassify(rows) -> None:
             r["status"] = classify(r)
 
 
-def summary(rows, n_found) -> tuple[str, Counter]:
-    built = [r for r in rows if r["status"] not in ("not built", "skipped")]
-    captured = [r for r in rows if r.get("captured")]
+def counts(rows) -> dict[str, int]:
+    """The sweep's headline counts (the README's sentence is checked against these)."""
     at = [r for r in rows if r["status"] == "at bound"]
-    exact = [r for r in at if r.get("exact")]
-    planned = [r for r in rows if "per_layer" in r]
+    return {"built": sum(r["status"] not in ("not built", "skipped") for r in rows),
+            "captured": sum(bool(r.get("captured")) for r in rows),
+            "planned": sum("per_layer" in r for r in rows),
+            "at": len(at), "exact": sum(bool(r.get("exact")) for r in at)}
+
+
+def summary(rows, n_found) -> tuple[str, Counter]:
+    n = counts(rows)
     numerics_run = any("numerics" in r for r in rows)
     misses = Counter(r["status"] for r in rows if r["status"] != "at bound")
-    text = (f"**{n_found} causal-LM families found, {len(built)} built at the tiny config, "
-            f"{len(captured)} captured, {len(planned)} planned, {len(at)} at Megatron's bound"
-            + (f", {len(exact)} of them exact on 2 gloo ranks" if numerics_run else "")
+    text = (f"**{n_found} causal-LM families found, {n['built']} built at the tiny config, "
+            f"{n['captured']} captured, {n['planned']} planned, {n['at']} at Megatron's bound"
+            + (f", {n['exact']} of them exact on 2 gloo ranks" if numerics_run else "")
             + ".** Misses: " + ", ".join(f"{n} {s}" for s, n in misses.most_common()) + ".")
     return text, Counter(category(r) for r in rows if category(r))
 

@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from bench.hf_report import counts
+
 ROOT = Path(__file__).resolve().parents[2]
 # a number: 37, 2,500, 1e-5, 0.58x, 92%, 2.13 (not a digit inside a word like "H100" or "7B")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?:e-\d+)?[x%]?(?!\w)")
@@ -49,13 +51,11 @@ def test_readme_sweep_counts_are_the_results_files():
     """The README's transformers-sweep sentence is read off bench/results/hf_sweep.json (the
     sweep's own rows, judged against the derived bound), not typed in."""
     data = json.loads((ROOT / "bench/results/hf_sweep.json").read_text())
-    rows = data["rows"]
-    captured = sum(bool(r.get("captured")) for r in rows)
-    at = [r for r in rows if r["status"] == "at bound"]
-    exact = sum(bool(r.get("exact")) for r in at)
+    n = counts(data["rows"])
     version = ".".join(data["transformers"].split(".")[:2])
     readme = " ".join((ROOT / "README.md").read_text().split())
-    for claim in (f"Of the {captured} causal-LM families of transformers {version}",
-                  f"{len(at)} ({round(100 * len(at) / captured)}%) are planned at Megatron's bound",
-                  f"{exact} of them are exact on 2 gloo ranks"):
+    for claim in (f"Of the {n['captured']} causal-LM families of transformers {version}",
+                  f"{n['at']} ({round(100 * n['at'] / n['captured'])}%) are planned at "
+                  "Megatron's bound",
+                  f"{n['exact']} of them are exact on 2 gloo ranks"):
         assert claim in readme, claim
