@@ -6,9 +6,9 @@ Which options applied is judged here, in one place, from the finished plan (and,
 ``activation_checkpointing``, from the regions the rank graph kept): the planner's passes
 decide, this module only reads what they decided.
 
-- ``vocab_parallel``: no table read by ``embedding`` is cut by vocabulary rows (no lookup at
-  all, or a table tied to an LM head whose logits are the model's output: a tied table is cut
-  only with ``loss_parallel=True``, which leaves those logits sharded).
+- ``vocab_parallel``: no table ``embedding`` reads token ids from is cut by vocabulary rows
+  (no such lookup, or a table tied to an LM head whose logits are the model's output: a tied
+  table is cut only with ``loss_parallel=True``, which leaves those logits sharded).
 - ``loss_parallel``: no output of the model is left sharded.
 - ``sequence_parallel``: no row-parallel sum is reduce-scattered (no column -> row chain).
 - ``experts``: ``"expert"`` or ``"auto"`` on a model without stacked or looped experts.
@@ -25,30 +25,29 @@ from torch import fx
 
 from tpcompile.core.placement import Partial, Shard
 from tpcompile.core.plan import PlanOptions, ShardingPlan
+from tpcompile.passes.planner.rules.vocabulary import token_tables
 
 __all__ = ["unapplied_options", "unapplied_checkpointing", "announce"]
 
+aten = torch.ops.aten
 
-def _tables(gm: fx.GraphModule) -> list[str]:
-    """The get_attr targets ``aten.embedding`` reads its table from, in graph order."""
-    out = []
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default):
-        table = node.args[0]
-        if isinstance(table, fx.Node) and table.op == "get_attr" and table.target not in out:
-            out.append(table.target)
-    return out
+
+def _read_as_head(gm: fx.GraphModule, table: str) -> bool:
+    """The table is read by other ops than lookups: a tied LM head's matmul."""
+    reads = [n for n in gm.graph.find_nodes(op="get_attr") if n.target == table]
+    return any(user.target is not aten.embedding.default for n in reads for user in n.users)
 
 
 def _vocab(gm: fx.GraphModule, plan: ShardingPlan) -> str | None:
     """Why ``vocab_parallel`` cut no table, or None when it cut one."""
-    tables = [plan.params[t] for t in _tables(gm) if t in plan.params]
+    tables = [plan.params[t] for t in token_tables(gm) if t in plan.params]
     if not tables:
-        return "the model has no embedding lookup of a weight (aten.embedding)"
+        return "the model has no embedding table looked up by token ids from its inputs"
     if any(e.style == "vocab" for e in tables):
         return None
     whys = []
     for e in tables:
-        if len(e.aliases) > 1 and not plan.options.loss_parallel:
+        if _read_as_head(gm, e.name) and not plan.options.loss_parallel:
             whys.append(f"{' = '.join(e.aliases)} is tied to the LM head, whose logits are the "
                         "model's output: a tied table is cut by vocabulary only with "
                         "loss_parallel=True (the logits left sharded)")

@@ -52,7 +52,7 @@ def test_vocab_parallel_with_a_sharded_loss_cuts_the_tied_table_and_says_nothing
 
 def test_vocab_parallel_without_an_embedding():
     plan, said = _built("mlp", vocab_parallel=True)
-    _said(plan, said, "vocab_parallel=True", "no embedding lookup")
+    _said(plan, said, "vocab_parallel=True", "no embedding table looked up by token ids")
 
 
 def test_loss_parallel_without_a_sharded_output():
