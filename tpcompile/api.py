@@ -140,12 +140,11 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     planned, gm = _agreed_rank_graph(model, example_inputs, example_kwargs, group, options,
                                      reuse_blocks)
     kept = _checkpoint_regions(gm, activation_checkpointing)
-    plan = announce(planned.plan, unapplied_checkpointing(activation_checkpointing,
-                                                          *gm.meta[OUTLINED]))
-    tp = TPModule(gm, plan, rank, group, check_calls)
+    unapplied = unapplied_checkpointing(activation_checkpointing, *gm.meta[OUTLINED])
+    tp = TPModule(gm, announce(planned.plan, unapplied), rank, group, check_calls)
     tp.checkpointed_regions = kept  # the names of the regions recomputed in backward
     if written_buffers(gm) or callable(getattr(model, "generate", None)):
-        _keep_skeleton(tp, model, plan)
+        _keep_skeleton(tp, model, tp.plan)
     return tp
 
 
