@@ -20,7 +20,7 @@ import sys
 
 from torch import nn
 
-__all__ = ["caches_off", "cache_hint", "NOTE"]
+__all__ = ["caches_off", "cache_hint", "reachable_configs", "NOTE"]
 
 NOTE = "captured with config.use_cache=False: the module returns no KV cache"
 

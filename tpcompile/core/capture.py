@@ -7,7 +7,9 @@ node carries ``meta['val']`` (a FakeTensor, so shapes and dtypes are known witho
 know. Export traces with fake tensors, so no real activation is ever computed here.
 
 What export would capture silently wrong (custom autograd Functions, Python attributes assigned
-in forward) is refused by :mod:`tpcompile.core.capture_checks`.
+in forward) is refused by :mod:`tpcompile.core.capture_checks`. Hugging Face KV caches are
+switched off for the capture in every config the model reads
+(:mod:`tpcompile.core.cache_configs`).
 
 Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths stay symbolic and
 the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
