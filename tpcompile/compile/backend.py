@@ -41,8 +41,8 @@ plan shards nothing runs replicated: its graphs go to inductor unchanged.
 
 from __future__ import annotations
 
-import inspect
-import os
+import contextlib
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -53,7 +53,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tpcompile.api import parallelize
 from tpcompile.runtime.collectives import all_gather
-from tpcompile.errors import TPCompileError
+from tpcompile.errors import TPCompileError, TPCompileWarning
+from tpcompile.compile.frames import CallLayout, current_code, frame_call, frame_name, where
 from tpcompile.compile.inductor import compile_options, has_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
@@ -101,18 +102,39 @@ class TPCompileBackend:
         self.mesh, self.overlap, self.inductor_options = mesh, overlap, inductor_options
         self.report: list[ModuleReport] = []
         self._decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._frames: set[str] = set()  # frames reported by _not_a_module
 
     def explain(self) -> str:
         return "\n".join(str(r) for r in self.report) or "no module compiled yet"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        root, frame_args = _frame_call()
-        if root is None or isinstance(root, TPModule) or root in self._decided:
-            return self._inductor(gm, example_inputs)
-        report, first_call = self._decide(gm, example_inputs, root, frame_args)
-        self._decided[root] = report
+        root, frame_args = frame_call()
+        if root is None:
+            if current_code() is not _Arranged.__call__.__code__:  # not a module sharded here
+                self._not_a_module(frame_name())
+        elif not isinstance(root, TPModule) and root not in self._decided:
+            report, first_call = self._decide(gm, example_inputs, root, frame_args)
+            self._decided[root] = report
+            self._record(report)
+            if first_call is not None:
+                return first_call
+        return self._inductor(gm, example_inputs)
+
+    def _record(self, report: ModuleReport) -> None:
+        """Keep ``report``; one that shards nothing also warns: never a silent pass-through."""
         self.report.append(report)
-        return first_call if first_call is not None else self._inductor(gm, example_inputs)
+        if not report.parallelized:
+            warnings.warn(f"tpcompile backend: {report}", TPCompileWarning, stacklevel=3)
+
+    def _not_a_module(self, frame: str | None) -> None:
+        """A graph of a frame that is no module's ``forward`` (a compiled function, or code
+        reached through one) runs unchanged: said once per frame."""
+        if frame is None or frame in self._frames:
+            return
+        self._frames.add(frame)
+        self._record(ModuleReport(frame, False, (
+            "not a module's forward, so it runs replicated (unsharded); the backend shards the "
+            "module it is given: torch.compile(model, backend='tpcompile')")))
 
     def _inductor(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -126,19 +148,27 @@ class TPCompileBackend:
         why = gm.compile_subgraph_reason
         if why.graph_break:
             return ModuleReport(name, False, (
-                f"Dynamo split {name}.forward at {_where(why.user_stack)} ({why.reason.strip()}); "
+                f"Dynamo split {name}.forward at {where(why.user_stack)} ({why.reason.strip()}); "
                 "a column -> row chain cannot span graphs, so the whole forward runs replicated "
                 "(exact); remove the graph break to shard it")), None
         try:  # no process group is a MeshError: compiled as it is, and reported
-            tp = parallelize(root, frame_args(), self.mesh)
+            with _outside_dynamo():
+                args, kwargs, layout = frame_args()
+                tp = parallelize(root, args, self.mesh, example_kwargs=kwargs or None)
         except TPCompileError as e:
             return ModuleReport(name, False, f"not parallelized: {e}"), None
         if all(p.style == "replicate" for p in tp.plan.params.values()):
             return ModuleReport(name, False, "the plan shards no weight", tp.plan), None
+        renamed = sorted(set(_tensors(root)) - set(_tensors(tp)))
+        if renamed:  # a tensor subclass (torchao's) becomes plain tensors under other names
+            return ModuleReport(name, False, (
+                f"{renamed[0]} is stored under other names once sharded (a tensor subclass "
+                "weight), and the backend swaps shards in by name; call tpcompile.parallelize("
+                "model, inputs) and torch.compile the result"), tp.plan), None
         tp.compile_regions = True  # repeated blocks compile once; _inductor adds the workaround
         report = ModuleReport(name, True, "sharded on the first call; forward is the rewritten "
                               "graph (tpcompile.parallelized(model) returns it)", tp.plan)
-        return report, _FirstCall(gm, example_inputs, root, tp)
+        return report, _FirstCall(gm, example_inputs, root, tp, layout)
 
 
 def backend(mesh=None, overlap: bool | None = None, **inductor_options) -> TPCompileBackend:
@@ -153,15 +183,15 @@ tpcompile_backend = TPCompileBackend()
 class _FirstCall:
     """The call that compiled ``root``: install its shards, then run Dynamo's graph on them whole."""
 
-    def __init__(self, gm, example_inputs, root: nn.Module, tp: TPModule):
+    def __init__(self, gm, example_inputs, root: nn.Module, tp: TPModule, layout: CallLayout):
         names = {id(t): n for n, t in _tensors(root).items()}
-        self.gm, self.root, self.tp, self.local = gm, root, tp, _tensors(tp)
+        self.gm, self.root, self.tp, self.local, self.layout = gm, root, tp, _tensors(tp), layout
         self.slots = [names.get(id(x)) if isinstance(x, torch.Tensor) else None
                       for x in example_inputs]
 
     def __call__(self, *args):
         if parallelized(self.root) is not self.tp:
-            _install(self.root, self.tp)
+            _install(self.root, self.tp, self.layout)
         return self.gm(*[a if n is None else self._whole(n) for a, n in zip(args, self.slots)])
 
     def _whole(self, fqn: str) -> torch.Tensor:
@@ -175,7 +205,30 @@ class _FirstCall:
         return all_gather(local, placement.dim, width, index, mine, None, ws, tp.group.group_name)
 
 
-def _install(root: nn.Module, tp: TPModule) -> None:
+@contextlib.contextmanager
+def _outside_dynamo():
+    """Export's own tracing, apart from Dynamo's: with Dynamo's tracing context current, the
+    shape guards export makes (named after ``forward``'s parameters) join the frame's guards,
+    and fail on a decorated forward, whose frame has ``args`` / ``kwargs`` instead."""
+    from torch._guards import compile_context, tracing
+
+    with compile_context(None), tracing(None):
+        yield
+
+
+class _Arranged:
+    """``root.forward`` once sharded: the TPModule, called as at capture (export's call spec
+    is strict about positional and keyword; users are not)."""
+
+    def __init__(self, tp: TPModule, layout: CallLayout):
+        self.tp, self.layout = tp, layout
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self.layout.arrange(args, kwargs)
+        return self.tp(*args, **kwargs)
+
+
+def _install(root: nn.Module, tp: TPModule, layout: CallLayout) -> None:
     """Put ``tp``'s tensors under ``root``'s names and make its graph ``root.forward``."""
     mine = _tensors(tp)
     for fqn, old in _tensors(root).items():
@@ -183,7 +236,7 @@ def _install(root: nn.Module, tp: TPModule) -> None:
             set_tensor(root, fqn, mine[fqn])
             if isinstance(old, nn.Parameter):
                 _RETIRED[old] = fqn
-    root.forward = tp.forward
+    root.forward = _Arranged(tp, layout)
     _TP_OF[root] = tp
     _refuse_stale_optimizers()
 
@@ -213,85 +266,3 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                     "replaced it by this rank's shard on the model's first compiled call; "
                     "build the optimizer after that call (model.parameters() are the shards)")
     _CHECKED.add(optimizer)
-
-
-def _frame_call():
-    """``(module, args)`` of the module call Dynamo is compiling, or ``(None, None)``.
-
-    Dynamo's translator for the frame being compiled is still current while the backend runs,
-    and its ``output.local_scope`` holds the frame's real arguments. The frame is the module's
-    ``forward``, or, for ``torch.nn`` classes, the wrapper Dynamo adds around ``module(...)``.
-    ``args`` is a function: it raises :class:`TPCompileError` for calls it cannot replay.
-    """
-    from torch._dynamo.external_utils import wrap_inline
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # called outside a Dynamo compile (e.g. on a hand-made graph)
-        return None, None
-    code, scope = getattr(tx, "f_code", None), getattr(getattr(tx, "output", None), "local_scope", {})
-    if code is None:
-        return None, None
-    if code is wrap_inline(_frame_call).__code__ and isinstance(scope.get("fn"), nn.Module):
-        root = scope["fn"]
-        return root, lambda: _wrapped_args(root, scope["args"], scope["kwargs"])
-    root = scope.get(code.co_varnames[0]) if code.co_argcount else None
-    forward = getattr(type(root), "forward", None)
-    if not isinstance(root, nn.Module) or getattr(forward, "__code__", None) is not code:
-        return None, None
-    return root, lambda: _forward_args(root, scope)
-
-
-def _refuse(root: nn.Module, what: str):
-    return TPCompileError(
-        f"{type(root).__name__}.forward is called with {what}; the backend shards forwards called "
-        "with tensors (and defaults) only: make it a constructor argument, or call "
-        "tpcompile.parallelize yourself")
-
-
-def _wrapped_args(root: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
-        raise _refuse(root, "keyword or non-tensor arguments")
-    return tuple(args)
-
-
-def _forward_args(root: nn.Module, scope: dict) -> tuple:
-    """The positional tensor arguments of this call of ``root.forward``.
-
-    Trailing parameters left at their defaults are left out (export uses the defaults too);
-    anything else that is not a tensor would be baked into the graph, so it is refused.
-    """
-    params = list(inspect.signature(type(root).forward).parameters.values())[1:]
-    args, defaults_started = [], False
-    for p in params:
-        v = scope.get(p.name, p.default)
-        if p.kind is p.VAR_POSITIONAL and not defaults_started and all(
-                isinstance(x, torch.Tensor) for x in v):
-            args.extend(v)
-        elif p.kind is p.VAR_KEYWORD and not v:
-            continue
-        elif isinstance(v, torch.Tensor) and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) \
-                and not defaults_started:
-            args.append(v)
-        elif p.default is not p.empty and _is_default(v, p.default):
-            defaults_started = True
-        else:
-            raise _refuse(root, f"'{p.name}' = a {type(v).__name__}")
-    return tuple(args)
-
-
-def _is_default(v, default) -> bool:
-    if v is default:
-        return True
-    try:
-        return not isinstance(v, torch.Tensor) and bool(v == default)
-    except Exception:  # noqa: BLE001 - an object whose == is not a bool is not a default
-        return False
-
-
-def _where(stack) -> str:
-    if not stack:
-        return "an unknown line"
-    frame = stack[-1]
-    return f"{os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"

@@ -30,12 +30,26 @@ def _meta_causal_lm(path: Path):
     except ImportError as e:
         raise TPCompileError("from_pretrained needs transformers: pip install transformers") from e
     config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(config, "dtype", None) or torch.float32)
+    saved = getattr(config, "architectures", None) or []
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=getattr(config, "dtype", None) or torch.float32)
+    except ValueError as e:  # transformers: no causal LM class for this config
+        raise _not_causal(path, saved or [type(config).__name__]) from e
+    if saved and type(model).__name__ not in saved:  # a BertModel saved, BertLMHeadModel built
+        raise _not_causal(path, saved)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
+
+
+def _not_causal(path: Path, saved: list[str]) -> TPCompileError:
+    return TPCompileError(
+        f"{path} holds a {', '.join(saved)}, not a causal LM: from_pretrained builds the "
+        "checkpoint's causal LM (AutoModelForCausalLM) for generate\n  hint: build the model "
+        "on the meta device yourself, then tpcompile.parallelize(model, example_inputs) and "
+        "tpcompile.load_full_state_dict(tp, path)")
 
 
 def _example() -> tuple[tuple, dict]:
