@@ -23,7 +23,9 @@ from torch import fx
 
 from tpcompile.core.placement import Shard
 from tpcompile.inspect.chains import layer_of
-from tpcompile.runtime.collectives import COLLECTIVE_FNS, copy_all_to_region, sync_grad_pieces
+from tpcompile.runtime.collectives import (
+    COLLECTIVE_FNS, copy_all_to_region, issued, sync_grad_pieces,
+)
 from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
 
 __all__ = ["CollectiveEntry", "LayerTraffic", "list_collectives", "megatron_comparison", "nbytes",
@@ -127,7 +129,7 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
         src, values = sources[-1], [s.name for s in sources]
         value = src.meta["val"]
         shape = _message_shape(call, value)
-        for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):
+        for phase, kinds in zip(PHASES, issued(call)):
             for op in kinds:
                 module = module_path(src)
                 out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
