@@ -23,6 +23,7 @@ from torch import fx
 
 from tpcompile.core.placement import Shard
 from tpcompile.inspect.chains import layer_of
+from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.collectives import (
     COLLECTIVE_FNS, copy_all_to_region, issued, sync_grad_pieces,
 )
@@ -120,8 +121,10 @@ def _layers(trace: RewriteTrace) -> dict[str, str]:
 
 
 def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
-    """Every collective the rank's graph issues per forward and per backward, in graph order."""
-    out, layers = [], _layers(trace)
+    """Every collective the rank's graph issues per forward and per backward, in graph order;
+    a gradient sync the backward never reaches (its value carries no gradient, or none comes
+    back to it) is not listed: it never runs."""
+    out, layers, reached = [], _layers(trace), backward_nodes(trace.gm)
     for call in trace.gm.graph.nodes:
         if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
             continue
@@ -129,7 +132,7 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
         src, values = sources[-1], [s.name for s in sources]
         value = src.meta["val"]
         shape = _message_shape(call, value)
-        for phase, kinds in zip(PHASES, issued(call)):
+        for phase, kinds in zip(PHASES, issued(call, reached)):
             for op in kinds:
                 module = module_path(src)
                 out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tpcompile.errors import CollectiveError
+from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.timeouts import collective_failure
 
 __all__ = ["all_reduce", "zero_summand", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
@@ -271,11 +272,14 @@ COLLECTIVE_FNS = {
 }
 
 
-def issued(node) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(forward, backward) collectives one inserted call issues. A reduce-scatter over uneven
-    or reordered shards (an ``index``, the calls' fourth argument) runs as an all-reduce and
-    the rank's slice, so it is reported as one."""
-    phases = COLLECTIVE_FNS[node.target]
+def issued(node, backward: set) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(forward, backward) collectives one inserted call issues. ``backward``: the graph's
+    nodes its backward reaches (:func:`~tpcompile.runtime.backward_reach.backward_nodes`); a
+    call outside it issues no backward collective. A reduce-scatter over uneven or reordered
+    shards (an ``index``, the calls' fourth argument) runs as an all-reduce and the rank's
+    slice, so it is reported as one."""
+    forward, back = COLLECTIVE_FNS[node.target]
+    phases = (forward, back if node in backward else ())
     if node.target in _SCATTERS_BY_INDEX and node.args[3] is not None:
         phases = tuple(tuple("all_reduce" if k == "reduce_scatter" else k for k in kinds)
                        for kinds in phases)
@@ -283,11 +287,13 @@ def issued(node) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def count_collectives(gm) -> dict[str, dict[str, int]]:
-    """Collectives one forward and one backward of a rewritten graph issue, by kind."""
+    """Collectives one forward and one backward of a rewritten graph issue, by kind (the
+    backward of every floating output; gradient syncs it never reaches are not counted)."""
     counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    reached = backward_nodes(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in COLLECTIVE_FNS:
-            for phase, kinds in zip(("forward", "backward"), issued(node)):
+            for phase, kinds in zip(("forward", "backward"), issued(node, reached)):
                 for kind in kinds:
                     counts[phase][kind] = counts[phase].get(kind, 0) + 1
     return counts
