@@ -1,0 +1,131 @@
+"""The report is the run: what ``explain`` says rank 0 issues is what its module executes.
+
+For models of the support table (tests/unit/test_support_table.py), the idiom corpus
+(zoo/idioms), the CI transformers families (bench.hf_sweep.REPRESENTATIVE) and an MMDiT
+(zoo/joint_attention.py: joint attention, adaLN from a timestep, a last block whose context
+output is unused), each planned at 2 ranks:
+
+- the collectives rank 0's parallelized module dispatches on a warm call, forward and the
+  backward of every output, counted by ``count_executed_collectives`` on a fake process group
+  (one process; the fake backend's collectives return garbage but are dispatched), equal the
+  report's per phase and kind;
+- the parameter table says what the module holds: each parameter's local shape on rank 0 is
+  the module's, and a weight the report names kept replicated is whole on every rank and not
+  listed with a split style.
+
+CI runs a representative subset; ``pytest -m slow`` runs the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import tpcompile
+from tpcompile.inspect.executed import count_executed_collectives
+from zoo import idioms, joint_attention
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture
+def rank0():
+    """Rank 0 of a fake 2-rank process group, torn down after the test."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
+    yield
+    dist.destroy_process_group()
+
+
+def _nonzero(counts: dict) -> dict:
+    return {phase: {k: n for k, n in kinds.items() if n} for phase, kinds in counts.items()}
+
+
+def check_report_is_the_run(model, inputs: tuple, kwargs: dict | None = None, **options):
+    """Plan ``model``, parallelize it as rank 0 and compare the report with the module."""
+    kwargs = kwargs or {}
+    report = tpcompile.explain(model, inputs, WORLD_SIZE, example_kwargs=kwargs, **options)
+    tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs, **options)
+    ran = count_executed_collectives(tp, inputs, kwargs)
+    assert _nonzero(ran) == _nonzero(report.collective_counts()), (
+        f"explain lists {report.collective_counts()}, the module ran {ran}")
+    held = dict(tp.named_parameters())
+    for name, entry in report.params.items():
+        if name in held:
+            assert list(held[name].shape) == entry.local_shape, name
+    for item in report.kept_replicated:
+        entry = report.params.get(item["node"])
+        if entry is None:
+            continue
+        assert entry.style == "replicate" and entry.dim is None, (item["node"], entry.style)
+        assert all(s == entry.global_shape for s in entry.local_shapes), item["node"]
+    return report
+
+
+def _param(value, ci: bool, name: str):
+    return pytest.param(value, id=name, marks=() if ci else pytest.mark.slow)
+
+
+def test_mmdit_unused_context_and_timestep_syncs(rank0):
+    """The timestep's gradient sync is in the graph but never runs (the timestep requires no
+    grad); the report says so, and lists no out / fc2 weight kept replicated."""
+    model = joint_attention.build()
+    report = check_report_is_the_run(model, joint_attention.example_inputs(model))
+    listed = {item["node"] for item in report.kept_replicated}
+    assert not {n for n in listed if n.endswith(("out.weight", "fc2.weight"))}, listed
+
+
+def test_mmdit_input_that_requires_grad_is_synced(rank0):
+    """The same graph with latents that require grad: their sync runs, and is listed."""
+    model = joint_attention.build()
+    latents, context, timestep = joint_attention.example_inputs(model)
+    inputs = (latents.requires_grad_(), context.requires_grad_(), timestep.requires_grad_())
+    check_report_is_the_run(model, inputs)
+
+
+SUPPORT_IN_CI = {("MLP: Linear-GELU-Linear blocks", ()),
+                 ("GPT-2 (built-in)", ("sequence_parallel",)),
+                 ("HF LlamaForCausalLM with labels", ("loss_parallel", "vocab_parallel"))}
+
+
+def _support_rows():
+    from unit.test_support_table import ROWS
+    return [_param(i, (family, tuple(sorted(options))) in SUPPORT_IN_CI,
+                   f"{family} {_options_id(options)}")
+            for i, (family, _, options, _) in enumerate(ROWS)]
+
+
+def _options_id(options: dict) -> str:
+    return "+".join(sorted(options)) or "default"
+
+
+@pytest.mark.parametrize("row", _support_rows())
+def test_support_table_rows(rank0, row):
+    from unit.test_support_table import ROWS
+    _, build, options, _ = ROWS[row]
+    model, inputs, kwargs = build()
+    check_report_is_the_run(model, inputs, kwargs, **options)
+
+
+IDIOMS_IN_CI = ("fused_qkv_timm", "moe_modulelist_top2", "mamba2_one_group",
+                "parallel_block_residual_first")
+
+
+@pytest.mark.parametrize("name", [_param(n, n in IDIOMS_IN_CI, n) for n in idioms.IDIOMS])
+def test_idioms(rank0, name):
+    check_report_is_the_run(idioms.build(name), idioms.example_inputs())
+
+
+def _families():
+    sweep = pytest.importorskip("bench.hf_sweep")
+    return [_param(f, f in ("Qwen3ForCausalLM",), f) for f in sweep.REPRESENTATIVE]
+
+
+@pytest.mark.parametrize("family", _families())
+def test_hf_families(rank0, family):
+    pytest.importorskip("transformers")
+    from bench import hf_sweep
+    model = hf_sweep.build(family, "train")
+    check_report_is_the_run(model, (hf_sweep.example_ids(),))
