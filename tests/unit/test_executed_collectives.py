@@ -24,6 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tpcompile
 from tpcompile.inspect.executed import count_executed_collectives
+from tpcompile.tools import models
 from zoo import idioms, joint_attention
 
 WORLD_SIZE = 2
@@ -107,6 +108,49 @@ def test_support_table_rows(rank0, row):
     _, build, options, _ = ROWS[row]
     model, inputs, kwargs = build()
     check_report_is_the_run(model, inputs, kwargs, **options)
+
+
+def _checkpointed_hf_llama():
+    pytest.importorskip("transformers")
+    from zoo.hf_models import hf_inputs, hf_model
+    model = hf_model("llama").train()
+    model.gradient_checkpointing_enable()
+    ids, kwargs = hf_inputs(model)
+    return model, (ids,), kwargs, {}
+
+
+def _builtin(name, **options):
+    def build():
+        model = models.build(name)
+        return model, models.example_inputs(model), {}, options
+    return build
+
+
+def _mmdit_full():
+    model = joint_attention.build()
+    return model, joint_attention.example_inputs(model), {}, {"activation_checkpointing": "full"}
+
+
+FULL, SELECTIVE = "full", "selective"
+CHECKPOINTED = {  # name: (build, in CI)
+    "llama full": (_builtin("llama", activation_checkpointing=FULL), True),
+    "gpt2 full, sequence parallel": (
+        _builtin("gpt2", activation_checkpointing=FULL, sequence_parallel=True), False),
+    "llama selective, sequence parallel": (
+        _builtin("llama", activation_checkpointing=SELECTIVE, sequence_parallel=True), False),
+    "mmdit full": (_mmdit_full, False),
+    "HF llama gradient_checkpointing_enable()": (_checkpointed_hf_llama, False),
+}
+
+
+@pytest.mark.parametrize("case", [_param(k, ci, k) for k, (_, ci) in CHECKPOINTED.items()])
+def test_checkpointed_regions(rank0, case):
+    """Full recomputation issues some forward collectives again in backward; the report
+    lists exactly those (tpcompile.inspect.recompute), selective recomputation none."""
+    model, inputs, kwargs, options = CHECKPOINTED[case][0]()
+    report = check_report_is_the_run(model, inputs, kwargs, **options)
+    again = [c for c in report.collectives if c.recomputed]
+    assert bool(again) == (options.get("activation_checkpointing") != SELECTIVE), case
 
 
 IDIOMS_IN_CI = ("fused_qkv_timm", "moe_modulelist_top2", "mamba2_one_group",
