@@ -3,7 +3,8 @@
 For models of the support table (tests/unit/test_support_table.py), the idiom corpus
 (zoo/idioms), the CI transformers families (bench.hf_sweep.REPRESENTATIVE) and an MMDiT
 (zoo/joint_attention.py: joint attention, adaLN from a timestep, a last block whose context
-output is unused), each planned at 2 ranks:
+output is unused), each planned at 2 ranks (a few at 3, where shards are uneven), with and
+without activation checkpointing:
 
 - the collectives rank 0's parallelized module dispatches on a warm call, forward and the
   backward of every output, counted by ``count_executed_collectives`` on a fake process group
@@ -28,26 +29,37 @@ from tpcompile.tools import models
 from zoo import idioms, joint_attention
 
 WORLD_SIZE = 2
+FULL, SELECTIVE = "full", "selective"  # activation_checkpointing modes
+
+
+def _init_rank0(world_size: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 @pytest.fixture
 def rank0():
-    """Rank 0 of a fake 2-rank process group, torn down after the test."""
+    """Rank 0 of a fake 2-rank process group (``check_report_is_the_run`` may make another
+    size), torn down after the test."""
+    _init_rank0(WORLD_SIZE)
+    yield
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    yield
-    dist.destroy_process_group()
 
 
 def _nonzero(counts: dict) -> dict:
     return {phase: {k: n for k, n in kinds.items() if n} for phase, kinds in counts.items()}
 
 
-def check_report_is_the_run(model, inputs: tuple, kwargs: dict | None = None, **options):
-    """Plan ``model``, parallelize it as rank 0 and compare the report with the module."""
+def check_report_is_the_run(model, inputs: tuple, kwargs: dict | None = None, *,
+                            world_size: int = WORLD_SIZE, **options):
+    """Plan ``model``, parallelize it as rank 0 of ``world_size`` and compare the report
+    with the module."""
     kwargs = kwargs or {}
-    report = tpcompile.explain(model, inputs, WORLD_SIZE, example_kwargs=kwargs, **options)
+    if world_size != dist.get_world_size():
+        _init_rank0(world_size)
+    report = tpcompile.explain(model, inputs, world_size, example_kwargs=kwargs, **options)
     tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs, **options)
     ran = count_executed_collectives(tp, inputs, kwargs)
     assert _nonzero(ran) == _nonzero(report.collective_counts()), (
@@ -91,6 +103,15 @@ SUPPORT_IN_CI = {("MLP: Linear-GELU-Linear blocks", ()),
                  ("HF LlamaForCausalLM with labels", ("loss_parallel", "vocab_parallel"))}
 
 
+@pytest.mark.parametrize("options", [pytest.param({}, id="default"), pytest.param(
+    {"sequence_parallel": True, "activation_checkpointing": FULL}, id="sequence, full")])
+def test_uneven_shards_at_3_ranks(rank0, options):
+    """64 features and 16 tokens over 3 ranks: uneven shards, whose reduce-scatters run as an
+    all-reduce and a slice (and are listed so), recomputed ones included."""
+    model = models.build("llama")
+    check_report_is_the_run(model, models.example_inputs(model), world_size=3, **options)
+
+
 def _support_rows():
     from unit.test_support_table import ROWS
     return [_param(i, (family, tuple(sorted(options))) in SUPPORT_IN_CI,
@@ -131,7 +152,6 @@ def _mmdit_full():
     return model, joint_attention.example_inputs(model), {}, {"activation_checkpointing": "full"}
 
 
-FULL, SELECTIVE = "full", "selective"
 CHECKPOINTED = {  # name: (build, in CI)
     "llama full": (_builtin("llama", activation_checkpointing=FULL), True),
     "gpt2 full, sequence parallel": (
@@ -153,7 +173,7 @@ def test_checkpointed_regions(rank0, case):
     assert bool(again) == (options.get("activation_checkpointing") != SELECTIVE), case
 
 
-IDIOMS_IN_CI = ("fused_qkv_timm", "moe_modulelist_top2", "mamba2_one_group",
+IDIOMS_IN_CI = ("fused_qkv_timm", "moe_modulelist_top2",
                 "parallel_block_residual_first")
 
 
