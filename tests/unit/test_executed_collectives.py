@@ -20,7 +20,10 @@ CI runs a representative subset; ``pytest -m slow`` runs the rest.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tpcompile
@@ -110,6 +113,40 @@ def test_uneven_shards_at_3_ranks(rank0, options):
     all-reduce and a slice (and are listed so), recomputed ones included."""
     model = models.build("llama")
     check_report_is_the_run(model, models.example_inputs(model), world_size=3, **options)
+
+
+class CutBranch(nn.Module):
+    """Two residual MLPs; the first one's gradient is cut (``detach``, ``no_grad``) or its
+    output written into a fresh tensor in place (``write``), so whether its gradient sync
+    runs depends on autograd, not on the graph holding the call."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.embed, self.norm = how, nn.Linear(8, 32), nn.LayerNorm(32)
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.fc3, self.fc4 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def branch(self, x):
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    def forward(self, x):
+        x = self.embed(x)
+        if self.how == "detach":
+            h = self.branch(x).detach()
+        elif self.how == "no_grad":
+            with torch.no_grad():
+                h = self.branch(x)
+        else:
+            h = torch.zeros_like(x)
+            h[:, :4] = self.branch(x)[:, :4]
+        x = x + h
+        return x + self.fc4(F.gelu(self.fc3(self.norm(x))))
+
+
+@pytest.mark.parametrize("how", ["detach", "no_grad", "write"])
+def test_gradient_cut_or_written_in_place(rank0, how):
+    torch.manual_seed(0)
+    check_report_is_the_run(CutBranch(how), (torch.randn(2, 8, 8),))
 
 
 def _support_rows():
