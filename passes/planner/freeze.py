@@ -278,12 +278,21 @@ def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         grad_syncs=syncs,
         roots={k: v for k, v in specs.roots.items() if k in used_roots},
         fallbacks=dict(state.fallbacks),
-        replicated=dict(constraints.killed),
+        replicated=_kept_whole(constraints.killed, params),
         options=constraints.options,
         outputs=outputs,
         notes=cap.notes,
         experts=expert_placements(state.experts, params),
     )
+
+
+def _kept_whole(killed: dict[str, str], params: dict) -> dict[str, str]:
+    """The weights refused as a column root that stay whole: a weight refused in one role may
+    still be cut in another (an MMDiT stream's ``fc2``, refused as the root of the residual
+    stream's region, is the row-parallel end of its MLP's chain), and the plan must not say
+    it is kept replicated while its table entry says it is split."""
+    return {name: why for name, why in killed.items()
+            if name not in params or params[name].style == "replicate"}
 
 
 def _all_shards(placements):

@@ -28,6 +28,7 @@ from tpcompile.inspect.expert_load import expert_loads
 from tpcompile.inspect.explain_html import page
 from tpcompile.inspect.explain_text import render
 from tpcompile.inspect.plan_block import block_view
+from tpcompile.inspect.recompute import recomputed_calls
 from tpcompile.inspect.trace import RewriteTrace, module_path, source_line, trace_rewrite
 from tpcompile.inspect.traffic import (
     CollectiveEntry, LayerTraffic, dtype_name, list_collectives, megatron_comparison, nbytes,
@@ -231,7 +232,7 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
                           progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
                           options=PlanOptions(**options), reuse_blocks=reuse_blocks)
-    collectives = list_collectives(trace)
+    collectives = list_collectives(trace, recomputed_calls(trace.gm, activation_checkpointing))
     per_rank, total = param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)
     regions = _checkpointing(trace, activation_checkpointing)

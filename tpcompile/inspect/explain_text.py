@@ -70,7 +70,8 @@ def _collectives(r) -> list[str]:
     if not r.collectives:
         return lines + ["  none"]
     rows = [(c.phase, c.op, _shape(c.shape), c.dtype, f"{c.bytes:,}" if c.bytes is not None else "?",
-             f"{c.node} ({c.module or 'top level'})", c.inserted_as) for c in r.collectives]
+             f"{c.node} ({c.module or 'top level'})",
+             c.inserted_as + (" (recomputed)" if c.recomputed else "")) for c in r.collectives]
     lines += table(("phase", "op", "shape", "dtype", "bytes", "after node (module)", "inserted as"),
                    rows)
     for phase, counts in r.collective_counts().items():

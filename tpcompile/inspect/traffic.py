@@ -23,15 +23,15 @@ from torch import fx
 
 from tpcompile.core.placement import Shard
 from tpcompile.inspect.chains import layer_of
-from tpcompile.runtime.collectives import COLLECTIVE_FNS, copy_all_to_region, sync_grad_pieces
+from tpcompile.runtime.backward_reach import backward_nodes
+from tpcompile.runtime.collectives import (
+    COLLECTIVE_FNS, copy_all_to_region, issued, sync_grad_pieces,
+)
 from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
 
 __all__ = ["CollectiveEntry", "LayerTraffic", "list_collectives", "megatron_comparison", "nbytes",
            "dtype_name",
            "bound_verdict"]
-
-PHASES = ("forward", "backward")
-
 
 @dataclass(frozen=True)
 class CollectiveEntry:
@@ -45,6 +45,7 @@ class CollectiveEntry:
     inserted_as: str         # the call's name in the rewritten graph (what `diff` shows)
     layer: str = ""          # the repeated block it serves ('' outside any), see _layers
     values: list = field(default_factory=list)  # every captured value it converts (a bucket: several)
+    recomputed: bool = False  # a forward collective issued again by a checkpointed region's recompute
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,13 @@ def _layers(trace: RewriteTrace) -> dict[str, str]:
     return layers
 
 
-def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
-    """Every collective the rank's graph issues per forward and per backward, in graph order."""
-    out, layers = [], _layers(trace)
+def list_collectives(trace: RewriteTrace, recomputed: set = frozenset()) -> list[CollectiveEntry]:
+    """Every collective the rank's graph issues per forward and per backward, in graph order;
+    a gradient sync the backward never reaches (its value carries no gradient, or none comes
+    back to it) is not listed: it never runs. The forward collectives of the calls in
+    ``recomputed`` (:func:`~tpcompile.inspect.recompute.recomputed_calls`) are listed again
+    in backward, marked ``recomputed``."""
+    out, layers, reached = [], _layers(trace), backward_nodes(trace.gm)
     for call in trace.gm.graph.nodes:
         if call.op != "call_function" or call.target not in COLLECTIVE_FNS:
             continue
@@ -127,13 +132,16 @@ def list_collectives(trace: RewriteTrace) -> list[CollectiveEntry]:
         src, values = sources[-1], [s.name for s in sources]
         value = src.meta["val"]
         shape = _message_shape(call, value)
-        for phase, kinds in zip(PHASES, COLLECTIVE_FNS[call.target]):
-            for op in kinds:
-                module = module_path(src)
-                out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
-                                           nbytes(shape, value.dtype), src.name, module,
-                                           call.name, layers.get(src.name, layer_of(module)),
-                                           values))
+        forward, backward = issued(call, reached)
+        again = forward if call in recomputed else ()
+        runs = [("forward", op, False) for op in forward] + [
+            ("backward", op, False) for op in backward] + [("backward", op, True) for op in again]
+        for phase, op, repeat in runs:
+            module = module_path(src)
+            out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
+                                       nbytes(shape, value.dtype), src.name, module,
+                                       call.name, layers.get(src.name, layer_of(module)),
+                                       values, repeat))
     return out
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 
 from tpcompile.errors import CollectiveError
+from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.timeouts import collective_failure
 
 __all__ = ["all_reduce", "zero_summand", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
            "reduce_scatter",
-           "COLLECTIVE_FNS", "count_collectives"]
+           "COLLECTIVE_FNS", "count_collectives", "issued"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -183,6 +184,19 @@ def _own_slice(grad: torch.Tensor, dim: int, mine, keep) -> torch.Tensor:
     return local
 
 
+def _sum_own_slice(grad: torch.Tensor, dim: int, index, mine, keep, group_size: int,
+                   group: str) -> torch.Tensor:
+    """This rank's slice of the ranks' summed ``grad``: one reduce-scatter when the shards are
+    even, contiguous and disjoint (``index`` and ``keep`` None), else an all-reduce and the
+    slice (what :func:`issued` reports for such a call)."""
+    if index is None and keep is None:
+        moved = grad.movedim(dim, 0).contiguous()
+        out = _waited("reduce_scatter", group, lambda: _c10d.reduce_scatter_tensor(
+            moved, "sum", group_size, group))
+        return out.movedim(0, dim)
+    return _own_slice(_all_reduce(grad, group), dim, mine, keep)
+
+
 class _Gather(torch.autograd.Function):
     """Shard -> Replicate. Backward keeps this rank's slice of the whole gradient; when the
     result feeds a sharded region (``sum_grads``) the gradient is a per-rank partial sum, so it
@@ -191,12 +205,14 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, width, index, mine, keep, group_size, group, sum_grads):
         ctx.dim, ctx.mine, ctx.keep, ctx.group, ctx.sum_grads = dim, mine, keep, group, sum_grads
+        ctx.index, ctx.group_size = index, group_size
         return _gather(x, dim, width, index, group_size, group)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.sum_grads:
-            grad = _all_reduce(grad, ctx.group)
+            return (_sum_own_slice(grad, ctx.dim, ctx.index, ctx.mine, ctx.keep,
+                                   ctx.group_size, ctx.group),) + (None,) * 8
         return (_own_slice(grad, ctx.dim, ctx.mine, ctx.keep),) + (None,) * 8
 
 
@@ -256,12 +272,28 @@ COLLECTIVE_FNS = {
 }
 
 
+def issued(node, backward: set) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(forward, backward) collectives one inserted call issues. ``backward``: the graph's
+    nodes its backward reaches (:func:`~tpcompile.runtime.backward_reach.backward_nodes`); a
+    call outside it issues no backward collective. A reduce-scatter over uneven or reordered
+    shards (an ``index``, the calls' fourth argument) runs as an all-reduce and the rank's
+    slice, so it is reported as one."""
+    forward, back = COLLECTIVE_FNS[node.target]
+    phases = (forward, back if node in backward else ())
+    if node.target in _SCATTERS_BY_INDEX and node.args[3] is not None:
+        phases = tuple(tuple("all_reduce" if k == "reduce_scatter" else k for k in kinds)
+                       for kinds in phases)
+    return phases
+
+
 def count_collectives(gm) -> dict[str, dict[str, int]]:
-    """Collectives one forward and one backward of a rewritten graph issue, by kind."""
+    """Collectives one forward and one backward of a rewritten graph issue, by kind (the
+    backward of every floating output; gradient syncs it never reaches are not counted)."""
     counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    reached = backward_nodes(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in COLLECTIVE_FNS:
-            for phase, kinds in zip(("forward", "backward"), COLLECTIVE_FNS[node.target]):
+            for phase, kinds in zip(("forward", "backward"), issued(node, reached)):
                 for kind in kinds:
                     counts[phase][kind] = counts[phase].get(kind, 0) + 1
     return counts
@@ -294,7 +326,7 @@ class _GatheredLinears(torch.autograd.Function):
             g2 = g.reshape(-1, g.shape[-1])
             dx = g @ w if dx is None else dx + g @ w
             out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
-        local = _own_slice(_all_reduce(dx, group), dim, mine, keep)
+        local = _sum_own_slice(dx, dim, index, mine, keep, group_size, group)
         return (local, None, None, None, None, None, None, None, *out)
 
 
@@ -310,3 +342,5 @@ def gathered_linears(x, dim, width, index, mine, keep, group_size, group, *weigh
 
 
 COLLECTIVE_FNS[gathered_linears] = (("all_gather",), ("all_gather", "reduce_scatter"))
+# calls whose reduce-scatter is an all-reduce when their shards carry an index (see issued)
+_SCATTERS_BY_INDEX = {reduce_scatter, gather_into_region, gathered_linears}
