@@ -282,6 +282,7 @@ def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         options=constraints.options,
         outputs=outputs,
         notes=cap.notes,
+        inference_only=cap.inference_only,
         experts=expert_placements(state.experts, params),
     )
 

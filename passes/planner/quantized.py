@@ -3,7 +3,7 @@
 gpt-fast's int8 linear reads ``weight.to(x.dtype)``; a group-wise int4 one unpacks nibbles
 with shifts and masks, stacks them, casts and applies ``(w - 8) * scale + zero`` per group of
 the input dim before the matmul. Either way the matmul's weight operand is computed from
-stored tensors alone (no activation reaches it), and one of them is an integer tensor: the
+stored tensors alone (no activation reaches it), and one of them is an integer (or float8) tensor: the
 *quantized weight*. The planner treats it as the parameter behind that operand
 (``OpView.param_behind``), so the matmul starts a column-parallel root or joins a
 row-parallel one exactly as a float weight would; the root is named by the quantized weight.
@@ -48,22 +48,26 @@ def stored_inputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
     return (leaves, inner) if visit(node) else None
 
 
-def _integer(node: fx.Node) -> bool:
+def _quantized(node: fx.Node) -> bool:
+    """An integer tensor, or a one-byte float (torchao's float8 ``qdata``): storage no matmul
+    reads as it is."""
     v = val(node)
-    return isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())
+    if not isinstance(v, torch.Tensor) or v.is_complex():
+        return False
+    return not v.is_floating_point() or v.element_size() == 1
 
 
 def dequantized_weight(node: fx.Node) -> fx.Node | None:
-    """The quantized weight a floating ``node`` dequantizes: the largest integer get_attr it
-    is computed from when only stored tensors reach it; else None."""
+    """The quantized weight a floating ``node`` dequantizes: the largest integer (or float8)
+    get_attr it is computed from when only stored tensors reach it; else None."""
     v = val(node)
     if (node.op == "get_attr" or not isinstance(v, torch.Tensor)
-            or not v.is_floating_point()):
+            or not v.is_floating_point() or v.element_size() == 1):
         return None
     found = stored_inputs(node)
     if found is None:
         return None
-    ints = [leaf for leaf in found[0] if _integer(leaf)]
+    ints = [leaf for leaf in found[0] if _quantized(leaf)]
     return max(ints, key=lambda n: val(n).numel()) if ints else None
 
 
