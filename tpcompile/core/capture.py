@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 from tpcompile.compat import stack_traces as recorded_stack_traces
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
-from tpcompile.core.subclass_weights import unwrap_subclass_weights
+from tpcompile.core.subclass_weights import subclass_parts, unwrap_subclass_weights
 from tpcompile.core.capture_checks import (
     custom_function_calls, custom_functions_verdict, forward_state_guard,
 )
@@ -60,6 +60,8 @@ class Capture:
     notes: tuple[str, ...] = ()  # what capture changed about the call (shown by the plan)
     # why no backward may run through the graph (capture_checks.custom_functions_verdict)
     inference_only: str = ""
+    # get_attr targets holding the parts of tensor-subclass weights (torchao's qdata, scales)
+    subclass_parts: frozenset[str] = frozenset()
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -241,8 +243,8 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
                   if isinstance(a, torch.Tensor))
     if inference_only:
         notes.append(inference_only)
-    return _noted(Capture(gm, aliases, params, trainable, specs, inference_only=inference_only),
-                  *notes)
+    return _noted(Capture(gm, aliases, params, trainable, specs, inference_only=inference_only,
+                          subclass_parts=subclass_parts(model, gm)), *notes)
 
 
 def _inference_capture(model: nn.Module) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["unwrap_subclass_weights", "subclass_part", "meta_like"]
+__all__ = ["unwrap_subclass_weights", "subclass_part", "subclass_parts", "meta_like"]
 
 
 def _access_op():
@@ -77,6 +77,14 @@ def subclass_part(model: nn.Module, target: str) -> torch.Tensor | None:
             if part in t.__tensor_flatten__()[0]:
                 return getattr(t, part).detach()
     return None
+
+
+def subclass_parts(model: nn.Module, gm: fx.GraphModule) -> frozenset[str]:
+    """The get_attr targets of ``gm`` that are parts of ``model``'s subclass weights: what a
+    quantized weight stores (its data, scales and zero points), counted as weight bytes
+    whether or not the planner sees a dequantization behind them."""
+    return frozenset(n.target for n in gm.graph.find_nodes(op="get_attr")
+                     if subclass_part(model, n.target) is not None)
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
