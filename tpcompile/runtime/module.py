@@ -226,8 +226,12 @@ def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group,
                 dst: int | None = None) -> torch.Tensor | None:
     """Reassemble a full tensor from every rank's shard (identity for replicated tensors).
 
-    With ``dst`` (a rank of ``group``) only that rank receives it; the others get None.
+    With ``dst`` (a rank of ``group``) only that rank receives it; the others get None. A
+    float8 tensor (torchao's qdata) moves as its bytes: gloo has no float8 type.
     """
+    if local.is_floating_point() and local.element_size() == 1:
+        full = gather_full(local.view(torch.uint8), placement, plan, group, dst)
+        return None if full is None else full.view(local.dtype)
     if dst is not None and dist.get_rank(group) != dst:
         if isinstance(placement, Shard):
             dist.gather(_padded(local, placement, plan), None, group=group, group_dst=dst)
