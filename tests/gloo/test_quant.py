@@ -118,16 +118,23 @@ def _torchao_cases(torchao, key: tuple, name: str) -> list:
     return per_rank
 
 
+def _whole_as_in_float(name: str, ws: int) -> bool:
+    """Parts the float model's plan keeps whole too: a row-parallel weight's scales (one per
+    output row, each read by every rank's part) and, with fewer kv heads (2) than ranks, the
+    k and v projections."""
+    row_scale = name.endswith("_scale") and ("o_proj" in name or "down_proj" in name)
+    return row_scale or (ws > 2 and any(p in name for p in ("k_proj", "v_proj")))
+
+
 def _check_weight_only(cases: list, ws: int) -> None:
     for c in cases:
         assert c["output_err"] <= 1e-6
         assert c["tokens"] == c["want"] and c["tokens"] is not None
         assert c["collectives"] == {"all_reduce": 2 * N_LAYERS}  # the float model's: unit tests
         whole = [n for n, (style, _) in c["plans"].items() if style == "replicate"]
-        # a row-parallel weight's scales: one per output row, each read by every rank's part
-        assert all(n.endswith("_scale") and ("o_proj" in n or "down_proj" in n)
-                   for n in whole), whole
-        assert 0 < c["part_bytes"] <= 1.1 * c["part_bytes_total"] / ws
+        assert all(_whole_as_in_float(n, ws) for n in whole), whole
+        # k / v whole at 4 ranks: 1/3 of the quantized bytes more than 1/N
+        assert 0 < c["part_bytes"] <= (1.1 if ws == 2 else 1.5) * c["part_bytes_total"] / ws
         assert c["training"] == "" and c["inference_only"] == ""
 
 
