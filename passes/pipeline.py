@@ -55,6 +55,7 @@ from tpcompile.passes.prepare.functionalize_fresh_writes import functionalize_fr
 from tpcompile.passes.prepare.inline_autocast import inline_autocast_pass
 from tpcompile.passes.prepare.split_bias import split_bias_pass
 from tpcompile.passes.planner.plan_sharding import plan_sharding
+from tpcompile.passes.planner.unapplied_options import announce, unapplied_options
 from tpcompile.passes.rewrite.checkpoint_regions import checkpoint_regions_pass
 from tpcompile.passes.rewrite.clone_converted_writes import clone_converted_writes_pass
 from tpcompile.passes.rewrite.drop_unowned_experts import drop_unowned_experts_pass
@@ -218,6 +219,7 @@ def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None,
         cap = replace(cap, gm=gm)
         t2 = time.perf_counter()
         sharding, replanned = _plan_until_settled(cap, world_size, options, record)
+    sharding = announce(sharding, unapplied_options(cap.gm, sharding), stacklevel=2)
     seconds = {"capture": t1 - t0, "planning_passes": t2 - t1,
                "plan_sharding": time.perf_counter() - t2}
     return Planned(cap, sharding, tuple(records + replanned), seconds)

@@ -5,7 +5,7 @@ from tpcompile.state.checkpoint import sharded_state_dict
 from tpcompile.compile.backend import backend, parallelized
 from tpcompile.errors import (
     CaptureError, CollectiveError, InputError, InputMismatchError, MeshError, PlanError,
-    PlanMismatchError, TPCompileError,
+    PlanMismatchError, RandomStateError, TPCompileError, TPCompileWarning,
 )
 from tpcompile.inspect.diff import GraphDiff, diff
 from tpcompile.compile.inductor import compile_options, mark_dynamic
@@ -25,7 +25,7 @@ __all__ = [
     "fully_shard_blocks",
     "backend", "parallelized", "compile_options", "mark_dynamic",
     "TPCompileError", "CaptureError", "MeshError", "PlanMismatchError", "PlanError", "InputError",
-    "InputMismatchError", "CollectiveError",
+    "InputMismatchError", "RandomStateError", "CollectiveError", "TPCompileWarning",
     "load_full_state_dict", "sharded_state_dict", "from_pretrained",
     "to_empty", "init_shards", "buffers_of", "clip_grad_norm_", "grad_norm",
 ]

@@ -24,6 +24,7 @@ from tpcompile.core.plan import PlanOptions
 from tpcompile.core.subclass_weights import meta_like
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
+from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
 from tpcompile.passes.rewrite.checkpoint_regions import MODES, OUTLINED
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
@@ -140,10 +141,11 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     planned, gm = _agreed_rank_graph(model, example_inputs, example_kwargs, group, options,
                                      reuse_blocks)
     kept = _checkpoint_regions(gm, activation_checkpointing)
-    tp = TPModule(gm, planned.plan, rank, group, check_calls)
+    unapplied = unapplied_checkpointing(activation_checkpointing, *gm.meta[OUTLINED])
+    tp = TPModule(gm, announce(planned.plan, unapplied), rank, group, check_calls)
     tp.checkpointed_regions = kept  # the names of the regions recomputed in backward
     if written_buffers(gm) or callable(getattr(model, "generate", None)):
-        _keep_skeleton(tp, model, planned.plan)
+        _keep_skeleton(tp, model, tp.plan)
     return tp
 
 
@@ -180,16 +182,13 @@ def _keep_skeleton(tp: TPModule, model: nn.Module, plan) -> None:
 def _checkpoint_regions(gm, mode: str | None) -> list[str]:
     """Run the graph's checkpointed regions through torch.utils.checkpoint (the pipeline's
     outline passes, in place; returns their names); warn for each region that stays inline
-    (its activations are saved), and when "full" or "selective" finds no repeated block."""
+    (its activations are saved). A mode that finds no repeated block is said by the caller,
+    with the other options that did nothing (``unapplied_checkpointing``)."""
     pipeline.outline(gm, mode)
     kept, dropped = gm.meta[OUTLINED]
     for name, reason in dropped:
         warnings.warn(f"tpcompile: {name} is not checkpointed in the parallelized model: "
                       f"{reason}; its activations are saved for backward", stacklevel=3)
-    if mode is not None and not kept and not dropped:
-        warnings.warn(f"tpcompile: activation_checkpointing={mode!r} found no repeated blocks "
-                      "(children of a ModuleList) to checkpoint; nothing is recomputed",
-                      stacklevel=3)
     return kept
 
 

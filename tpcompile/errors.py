@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = ["TPCompileError", "CaptureError", "PlanMismatchError", "MeshError", "PlanError",
-           "InputError", "InputMismatchError", "CollectiveError"]
+           "InputError", "InputMismatchError", "RandomStateError", "CollectiveError",
+           "TPCompileWarning"]
 
 
 class TPCompileError(ValueError):
@@ -37,8 +38,20 @@ class InputMismatchError(TPCompileError):
     """
 
 
+class RandomStateError(InputMismatchError):
+    """Ranks of the group drew different random numbers (seeded differently) in a call that
+    draws: seed every rank of a tensor-parallel group the same."""
+
+
 class CollectiveError(TPCompileError, RuntimeError):
     """A collective failed or timed out: another rank exited, crashed or skipped it.
 
     Also a ``RuntimeError``, the type torch raises for the same failure.
+    """
+
+
+class TPCompileWarning(UserWarning):
+    """Something ran unsharded or an option did not apply: exact, but not what was asked for.
+
+    Escalate it with ``warnings.simplefilter("error", TPCompileWarning)``.
     """

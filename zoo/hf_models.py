@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MOE", "hf_model", "moe_model", "hf_inputs", "hf_causal_lm", "hf_prompt"]
+__all__ = ["MOE", "SEQ2SEQ", "hf_model", "moe_model", "hf_inputs", "hf_causal_lm", "hf_prompt"]
 
 # the MoE causal LMs: name -> (config class, model class, config arguments); every one runs its
 # experts through transformers' grouped matmul. Uneven: 5 experts over 2 or 4 ranks; fine-grained:
@@ -31,6 +31,22 @@ MOE = {
                           num_experts_per_tok=8, decoder_sparse_step=1, head_dim=8)),
 }
 
+# encoder-decoders: name -> (config class, model class, sizes); every other setting is the
+# config's default, use_cache=True included (its stacks keep their own copies of the config),
+# but Whisper's special token ids, which must fall inside the tiny vocabulary
+_WIDTHS = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=128,
+               decoder_ffn_dim=128)
+SEQ2SEQ = {
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           dict(vocab_size=128, d_model=64, d_kv=8, d_ff=128, num_layers=2, num_heads=8)),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             dict(_WIDTHS, max_position_embeddings=64)),
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",  # 16 mel bins x 32 frames
+                dict(_WIDTHS, num_mel_bins=16, max_source_positions=16, max_target_positions=64,
+                     pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)),
+}
+
 
 def hf_model(name: str):
     """Tiny random-init transformers models (never downloaded)."""
@@ -47,6 +63,9 @@ def hf_model(name: str):
         return tf.LlamaForCausalLM(cfg)
     if name in MOE:  # experts stacked in 3-D parameters, run by a grouped matmul
         return moe_model(name)
+    if name in SEQ2SEQ:
+        config, model, sizes = SEQ2SEQ[name]
+        return getattr(tf, model)(getattr(tf, config)(**sizes))
     if name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=8, n_positions=64,
                             resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0,
@@ -68,11 +87,19 @@ def moe_model(name: str, **overrides):
 
 
 def hf_inputs(model) -> tuple[torch.Tensor, dict]:
-    """Token ids (2 x 16) and an attention mask that pads the second sequence."""
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    """Token ids (2 x 16) and an attention mask that pads the second sequence; an
+    encoder-decoder also gets decoder token ids (2 x 8), and Whisper log-mel features (2 x 16
+    bins x 32 frames) in place of the encoder's tokens."""
+    vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 16), generator=gen)
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0
-    return ids, {"attention_mask": mask}
+    if not model.config.is_encoder_decoder:
+        return ids, {"attention_mask": mask}
+    decoder = {"decoder_input_ids": torch.randint(0, vocab, (2, 8), generator=gen)}
+    if hasattr(model.config, "num_mel_bins"):
+        return torch.randn(2, model.config.num_mel_bins, 32, generator=gen), decoder
+    return ids, {"attention_mask": mask, **decoder}
 
 
 def hf_causal_lm(name: str, positions: int = 64, layers: int = 2):

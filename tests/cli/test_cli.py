@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from tpcompile.tools import models
 from tpcompile.tools.cli import main
 from tpcompile.inspect.explain import Report
 
@@ -63,6 +64,20 @@ def test_plan_options_are_flags(tmp_path):
     assert done.returncode == 0, done.stderr
     ops = {c.op for c in Report.from_json(done.stdout).collectives}
     assert {"reduce_scatter", "all_gather"} <= ops
+
+
+def test_demo_shards_a_tied_table_with_a_sharded_loss(tmp_path):
+    """GPT-2's tied wte = lm_head is cut by vocabulary only when its logits stay sharded: the
+    demo takes --loss-parallel, and checks the run against the unsharded model."""
+    done = run("demo", "--model", "gpt2", "--vocab-parallel", "--loss-parallel", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cfg = models.build("gpt2").cfg
+    table = next(line for line in done.stdout.splitlines() if "wte.weight" in line).split()
+    assert table[:4] == ["wte.weight", "=", "lm_head.weight", "vocab"], table
+    # half the vocabulary rows per rank
+    assert table[4:] == [f"{cfg.vocab}x{cfg.dim}", "->", f"{cfg.vocab // 2}x{cfg.dim}"], table
+    assert "did not apply" not in done.stdout + done.stderr
+    assert done.stdout.splitlines()[-2].endswith("-> OK")
 
 
 def test_experts_is_a_choice(tmp_path, capsys):

@@ -10,13 +10,15 @@ from __future__ import annotations
 import pytest
 
 from support import LaunchedOnDemand, cases, launch
+from tpcompile.core.cache_configs import NOTE
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 CASES = [("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
          ("bert_model", False), ("mixtral", False),
-         ("llama", True), ("gpt2", True), ("bert", True)]
+         ("llama", True), ("gpt2", True), ("bert", True),
+         ("t5", False), ("bart", False), ("whisper", False)]
 # at 4 ranks CI runs every model of the README's support table (its numerics column names this
 # file), the cases whose plan differs from 2 ranks' (fewer KV heads than ranks) and one traced
 # loss; the others run at 4 ranks with -m slow (CI time)
@@ -55,6 +57,25 @@ def test_logits_and_gradients_match(results, ws, name):
         assert c["output_err"] <= 1e-5
         worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
+
+
+@pytest.mark.parametrize("ws, name", _params(["t5", "bart", "whisper"], False))
+def test_encoder_decoders_with_default_configs_train_exact(results, ws, name):
+    """T5, BART and Whisper as their configs come (``use_cache=True``, which T5's stacks read
+    from their own copies of the config): captured with every cache off, every weight matrix of
+    both stacks cut, and every output (logits, the encoder's last state) and gradient exact."""
+    for c in _cases(results, ws, (name, False)):
+        assert c["notes"] == (NOTE,)  # the caches were switched off, nothing else changed
+        assert c["outputs_err"] <= 1e-5
+        worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        for stack in ("encoder", "decoder"):
+            cut = {s for n, s in c["styles"].items() if f"{stack}." in n and n.endswith("weight")}
+            assert {"colwise", "rowwise"} <= cut, (stack, cut)
+        # Megatron's forward: one all-reduce per row-parallel matmul, nothing gathered
+        rows = sum(s == "rowwise" for s in c["styles"].values())
+        assert c["collectives"]["forward"] == {"all_reduce": rows}
+        assert set(c["collectives"]["backward"]) == {"all_reduce"}
 
 
 @pytest.mark.parametrize("ws, name", _params(["llama", "gpt2", "bert"], True))

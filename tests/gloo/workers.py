@@ -362,7 +362,11 @@ def _hf_case(name: str, with_labels: bool) -> dict:
     if not with_labels:
         tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw)
         cmp = compare(model, tp, (ids,), kwargs=kw)
+        with torch.no_grad():  # every output, not only the first (an encoder's last state too)
+            outputs_err = max(rel_err(a, b) for a, b in zip(_floats(tp(ids, **kw)),
+                                                            _floats(model(ids, **kw))))
         return {"output_err": cmp.output_err, "grad_errs": cmp.grad_errs,
+                "outputs_err": outputs_err,
                 "collectives": cmp.collectives, "styles": tp.plan.styles(),
                 "notes": tp.plan.notes, "use_cache_after": getattr(model.config, "use_cache", None)}
     kw["labels"] = ids.clone()
@@ -377,6 +381,12 @@ def _hf_case(name: str, with_labels: bool) -> dict:
     return {"loss_err": rel_err(out.loss, out_ref.loss), "logits_shape": tuple(out.logits.shape),
             "grad_errs": {n: rel_err(grads[n], p.grad, floor) for n, p in ref.named_parameters()},
             "styles": tp.plan.styles()}
+
+
+def _floats(out) -> list:
+    """The floating tensors of a model's output (tuples, dicts, HF ModelOutputs), in order."""
+    return [t for t in torch.utils._pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def hf(rank: int, world_size: int, cases: list[tuple[str, bool]]) -> dict:

@@ -7,7 +7,9 @@ node carries ``meta['val']`` (a FakeTensor, so shapes and dtypes are known witho
 know. Export traces with fake tensors, so no real activation is ever computed here.
 
 What export would capture silently wrong (custom autograd Functions, Python attributes assigned
-in forward) is refused by :mod:`tpcompile.core.capture_checks`.
+in forward) is refused by :mod:`tpcompile.core.capture_checks`. Hugging Face KV caches are
+switched off for the capture in every config the model reads
+(:mod:`tpcompile.core.cache_configs`).
 
 Every input dimension is exported as ``Dim.AUTO``: batch and sequence lengths stay symbolic and
 the rewritten module accepts other sizes; dimensions the model fixes are specialised by export.
@@ -33,6 +35,7 @@ from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 from tpcompile.compat import stack_traces as recorded_stack_traces
+from tpcompile.core.cache_configs import cache_hint, caches_off
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
 from tpcompile.core.subclass_weights import subclass_parts, unwrap_subclass_weights
@@ -121,25 +124,6 @@ def _auto(x, static: tuple[int, ...]):
     return None
 
 
-@contextlib.contextmanager
-def _capture_settings(model: nn.Module, notes: list[str]):
-    """Settings a traced training/inference step needs, restored afterwards.
-
-    Hugging Face models return a KV cache object (``DynamicCache``) when ``config.use_cache``
-    is set; it is not a pytree export can return, and a tensor-parallel step has no use for it.
-    """
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
-    if use_cache:
-        config.use_cache = False
-        notes.append("captured with config.use_cache=False: the module returns no KV cache")
-    try:
-        yield
-    finally:
-        if use_cache:
-            config.use_cache = use_cache
-
-
 # torch.export's loggers whose warnings speak of choices capture made, not the user: a size-1
 # example dim "0/1 specialized" under the Dim.AUTO capture asked for (capture's own note,
 # _specialised_sizes, says what it fixed and how to keep it dynamic)
@@ -206,12 +190,12 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     if dynamic:
         notes += _specialised_sizes(model, args, kwargs, static_dims)
     try:
-        with (_capture_settings(model, notes), forward_state_guard(model),
+        with (caches_off(model, notes), forward_state_guard(model),
               custom_function_calls() as applied):
             ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=stack_traces)
         inference_only = custom_functions_verdict(applied, _inference_capture(model))
         if not stack_traces and _writes_in_place(ep.graph_module):
-            with _capture_settings(model, []), forward_state_guard(model):
+            with caches_off(model, []), forward_state_guard(model):
                 ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=True)
     except CaptureError:
         raise
@@ -231,11 +215,11 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
                 return _noted(cap, f"captured with static shapes: export with dynamic batch and "
                                    f"sequence sizes failed ({type(e).__name__}); the module "
                                    "accepts only the example's sizes")
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__} at "
-            f"{_user_frame(e)}\n  hint: tpcompile captures with torch.export(strict=False); "
-            "make forward traceable (no data-dependent Python control flow, tensors in and out)"
-        ) from e
+        hint = cache_hint(e) or ("tpcompile captures with torch.export(strict=False); make "
+                                 "forward traceable (no data-dependent Python control flow, "
+                                 "tensors in and out)")
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}: "
+                           f"{type(e).__name__} at {_user_frame(e)}\n  hint: {hint}") from e
     gm = canonical_order(ep.module())
     notes += unwrap_subclass_weights(gm)
     aliases, params, trainable = attribute_info(gm, model)

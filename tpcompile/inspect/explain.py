@@ -20,6 +20,7 @@ from torch import nn
 
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
 from tpcompile.passes.planner.quantized import quantized_weights, weight_targets
+from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
@@ -81,6 +82,8 @@ class Report:
     expert_load: dict = field(default_factory=dict)
     # per rank under Megatron's plan (tpcompile.inspect.bound): split weights / N + the rest
     param_bytes_ideal: float = 0.0
+    # the plan's notes: what capture changed about the call, and each option that did nothing
+    notes: list = field(default_factory=list)
 
     def collective_counts(self) -> dict[str, dict[str, int]]:
         """Per phase, per op: the same shape of data as ``count_collectives``."""
@@ -199,6 +202,12 @@ def _checkpointing(trace: RewriteTrace, mode: str | None) -> dict:
             "dropped": [{"region": name, "reason": why} for name, why in dropped]}
 
 
+def _notes(trace: RewriteTrace, mode: str | None, regions: dict) -> list[str]:
+    """The plan's notes and, as ``parallelize`` warns, a checkpointing mode that found nothing."""
+    unapplied = unapplied_checkpointing(mode, regions["kept"], regions["dropped"])
+    return list(announce(trace.plan, unapplied, stacklevel=3).notes)
+
+
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
             progress: Callable[[str], None] | None = None, dynamic: bool = True,
             example_kwargs: dict | None = None, html: bool = False, reuse_blocks: bool = False,
@@ -225,6 +234,7 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     collectives = list_collectives(trace)
     per_rank, total = param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)
+    regions = _checkpointing(trace, activation_checkpointing)
     report = Report(
         model=trace.model_name, world_size=world_size, rank=rank,
         inputs=[{"shape": list(s), "dtype": dtype_name(d)} for s, d in trace.cap.input_specs],
@@ -237,7 +247,7 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         kept_replicated=_located(trace, trace.plan.replicated),
         megatron=megatron_comparison(trace, collectives),
         dtensor_plan=styles, not_expressible=missing,
-        checkpointing=_checkpointing(trace, activation_checkpointing),
+        checkpointing=regions, notes=_notes(trace, activation_checkpointing, regions),
         experts=dict(trace.plan.experts), param_bytes_ideal=trace.bound.ideal_bytes,
         expert_load=expert_loads(model, example_inputs, example_kwargs, trace.cap.gm,
                                  world_size) if trace.plan.experts else {})

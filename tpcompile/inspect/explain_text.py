@@ -146,6 +146,11 @@ def _grouped(modules: list[str]) -> str:
     return f"{owners.pop()}.{{{', '.join(m.rpartition('.')[2] for m in modules)}}}"
 
 
+def _notes(r) -> list[str]:
+    """What capture changed about the call, and each option that did nothing, with why."""
+    return [f"note: {n}" for n in r.notes]
+
+
 def render(r) -> str:
     inputs = ", ".join(f"{i['dtype']}[{_shape(i['shape'])}]" for i in r.inputs)
     sections = [
@@ -153,6 +158,6 @@ def render(r) -> str:
         _params(r), _experts(r), _collectives(r), _param_bytes(r),
         _located("fallbacks (gathered before an op without a sharding rule)", r.fallbacks),
         _located("kept replicated", r.kept_replicated),
-        _megatron(r), _dtensor(r), _checkpointing(r.checkpointing),
+        _megatron(r), _dtensor(r), _checkpointing(r.checkpointing), _notes(r),
     ]
     return "\n\n".join("\n".join(s) for s in sections if s)

@@ -48,6 +48,17 @@ steps' float inputs of such a stage are the previous stage's outputs, which tens
 makes the same on every rank of its group, so nothing is lost. A later call of an agreed
 description is not compared in ``"new"`` mode.
 
+The same first call (every call in ``"every"``) also checks the ranks' random streams. A
+replicated activation must be the same on every rank, so a model that draws random numbers
+(dropout, noise, label dropout; a sharded dropout draws the whole mask and keeps its slice)
+needs every rank of the group to draw the same ones: the contract is that ranks of a
+tensor-parallel group are seeded the same (data-parallel replicas may differ). The check
+notes the default generators' states (CPU, and the current CUDA device where CUDA is in use)
+before the call; if the call moved them, the ranks compare a digest of the states they drew
+from, in one more all-reduce after the forward, and raise :class:`RandomStateError` on every
+rank when they differ, naming the fix, instead of returning replicas that match no rank's
+unsharded result. A model that draws nothing pays nothing and may be seeded per rank.
+
 A rank whose inputs fail its own checks (:class:`InputError`: a token id out of range, a
 sequence beyond the model's limit) still takes part when a check is due, so its peers raise
 ``InputMismatchError`` naming its error instead of waiting for it. After an
@@ -65,10 +76,11 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from tpcompile.compat import new_group
-from tpcompile.errors import InputError, InputMismatchError
+from tpcompile.errors import InputError, InputMismatchError, RandomStateError
 from tpcompile.runtime.timeouts import collective_failure, group_timeout
 
-__all__ = ["CallCheck", "MODES", "check_mode", "describe", "side_group", "values_digest"]
+__all__ = ["CallCheck", "MODES", "check_mode", "describe", "generator_states", "side_group",
+           "values_digest"]
 
 MODES = ("new", "every")
 CACHE_LIMIT = 4096  # agreed descriptions kept; cleared on every rank at the same call
@@ -162,6 +174,7 @@ class CallCheck:
         self.agreed: set[str] = set()
         self.calls = 0
         self.backward_ran: bool | None = None  # of the last forward with gradients
+        self.random_before: bytes | None = None  # generator states before a checked call
 
     def track_backward(self, outputs) -> None:
         """After a forward with gradients: note whether its backward reaches the outputs."""
@@ -196,10 +209,28 @@ class CallCheck:
             text = f"call {self.calls}: {text}"
         names = [w and w.name for w in spec.expected]
         self._agree(text, values_digest(names, flat, not _in_pipeline_shape_inference()), refusal)
+        self.random_before = generator_states()
         if self.mode == "new":
             if len(self.agreed) >= CACHE_LIMIT:
                 self.agreed.clear()
             self.agreed.add(text)
+
+    def check_random(self) -> None:
+        """After a checked call: ranks whose call drew random numbers drew the same ones."""
+        before, self.random_before = self.random_before, None
+        if before is None or generator_states() == before:
+            return  # nothing checked, or nothing drawn: every rank ran the same graph
+        d = _digest(before.hex())
+        both = torch.tensor([d, -d], dtype=torch.int64)
+        self._run(lambda: dist.all_reduce(both, dist.ReduceOp.MAX, group=self.side))
+        if both[0] != -both[1]:
+            raise RandomStateError(
+                "ranks drew different random numbers: this call draws from the default "
+                "generator (dropout, noise, sampling) and the ranks of the tensor-parallel group "
+                "were seeded differently, so replicated activations would match no rank's "
+                "unsharded model\n  hint: seed every rank of the group the same "
+                "(torch.manual_seed(seed)); data-parallel replicas may differ (seed with the "
+                "data-parallel rank, never the tensor-parallel one)")
 
     def _agree(self, text: str, values: tuple, refusal: InputError | None) -> None:
         d = 0 if refusal is not None else _digest(f"{text}\n{values}")
@@ -223,6 +254,15 @@ class CallCheck:
             collective()
         except RuntimeError as e:
             raise collective_failure("the call check (an all_reduce)", self.side, e) from e
+
+
+def generator_states() -> bytes:
+    """The default generators' states: the CPU one, and the current CUDA device's where CUDA
+    is in use (``torch.random.fork_rng``'s pair)."""
+    state = torch.get_rng_state().numpy().tobytes()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state += torch.cuda.get_rng_state().numpy().tobytes()
+    return state
 
 
 def _grouped(keys: list[str], indent: str = "  ") -> str:

@@ -71,6 +71,7 @@ class TPModule(nn.Module):
             spec, gm = self._graph_for(args, kwargs)
             self.call_check(spec, args, kwargs)
             outputs = gm(*args, **kwargs)
+            self.call_check.check_random()
             self.call_check.track_backward(outputs)
             return outputs
         if self.compile_regions:

@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq", type=int, default=16)
     demo.add_argument("--generate", action="store_true",
                       help="greedy generation of a tiny Hugging Face Llama (needs transformers)")
-    _add_options(demo, ["vocab-parallel", "sequence-parallel"])
+    _add_options(demo, ["vocab-parallel", "loss-parallel", "sequence-parallel"])
     explain = sub.add_parser("explain", help="show the plan: styles, collectives, bytes, fallbacks",
                              description="Plan TARGET for --world-size ranks without any process "
                                          "group and report what tpcompile would do.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -42,13 +43,39 @@ def _first(out) -> torch.Tensor:
     return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+def _probe(shape, device) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1234)).to(device)
+
+
 def _loss(out) -> torch.Tensor:
     """A fixed random projection of the output: every output element gets its own, non-zero
     gradient. (A sum of squares is degenerate after a LayerNorm, whose outputs have a fixed
     norm: its gradient would be pure rounding noise.)"""
     y = _first(out).float()
-    probe = torch.randn(y.shape, generator=torch.Generator().manual_seed(1234))
-    return (y * probe.to(y.device)).sum()
+    return (y * _probe(y.shape, y.device)).sum()
+
+
+def sharded_output_losses(tp) -> tuple[Callable, Callable]:
+    """``compare``'s ``losses`` for a ``loss_parallel`` module whose first output is this
+    rank's shard (logits cut by vocabulary): the reference's is the projection ``compare``
+    uses, ``tp``'s the same projection of its shard summed over the ranks (all-reduced forward,
+    the whole gradient passed back), so both are one value with one gradient in exact
+    arithmetic. (A cross-entropy's gradient cancels over the vocabulary: LayerNorm biases
+    before a tied head get rounding noise that Adam's steps then amplify.)"""
+    from tpcompile.runtime.collectives import all_reduce
+
+    placement = tp.plan.outputs[0]
+    ranges = tp.plan.specs.ranges(placement.layout)[tp.rank]
+
+    def sharded(out) -> torch.Tensor:
+        y = _first(out).float()
+        full = list(y.shape)
+        full[placement.dim] = placement.layout.size
+        probe = _probe(full, y.device)
+        mine = torch.cat([probe.narrow(placement.dim, s, e - s) for s, e in ranges],
+                         placement.dim)
+        return all_reduce((y * mine).sum(), tp.group.group_name)
+    return _loss, sharded
 
 
 @dataclass
@@ -73,8 +100,13 @@ class Comparison:
 
 
 def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: float = 1e-3,
-            kwargs: dict | None = None, keep_state: bool = False) -> Comparison:
+            kwargs: dict | None = None, keep_state: bool = False,
+            losses: tuple[Callable, Callable] | None = None) -> Comparison:
     """Forward + backward both models on ``inputs``; optionally ``steps`` AdamW steps on both.
+
+    ``losses``: (the reference's, ``tp``'s), each an output -> scalar, in place of a fixed
+    random projection of the first output; the output error is then the loss's (a
+    ``loss_parallel`` module's logits are its vocabulary shard, not comparable whole).
 
     ``model`` is copied first, so the caller's model is left as it was. After the steps,
     parameters are compared where the reference gradient is not zero in exact arithmetic: a
@@ -85,10 +117,12 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
     """
     ref = copy.deepcopy(model)
     kwargs = kwargs or {}
+    loss_fns = losses or (_loss, _loss)
     out_ref, out = ref(*inputs, **kwargs), tp(*inputs, **kwargs)
-    out_err = rel_err(_first(out), _first(out_ref))
-    _loss(out_ref).backward()
-    _loss(out).backward()
+    loss_ref, loss = loss_fns[0](out_ref), loss_fns[1](out)
+    out_err = rel_err(loss, loss_ref) if losses else rel_err(_first(out), _first(out_ref))
+    loss_ref.backward()
+    loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     grads = tp.full_grads()
     grad_errs = grad_errors(grads, ref_grads)
@@ -101,9 +135,9 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
         opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (ref, tp)]
         for i in range(steps):
             if i:
-                for m in (ref, tp):
+                for m, loss_fn in zip((ref, tp), loss_fns):
                     m.zero_grad()
-                    _loss(m(*inputs, **kwargs)).backward()
+                    loss_fn(m(*inputs, **kwargs)).backward()
             for o in opts:
                 o.step()
         full = tp.full_state_dict()

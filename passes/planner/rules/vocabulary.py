@@ -23,6 +23,18 @@ def _from_inputs(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "placeholder"
 
 
+def token_tables(gm: fx.GraphModule) -> list[str]:
+    """The get_attr targets of the tables ``embedding`` looks the caller's token ids up in
+    (not positions computed in the model): the tables ``vocab_parallel`` asks to cut."""
+    out = []
+    for node in gm.graph.find_nodes(op="call_function", target=aten.embedding.default):
+        table, ids = node.args[:2]
+        if (isinstance(table, fx.Node) and table.op == "get_attr" and _from_inputs(ids)
+                and table.target not in out):
+            out.append(table.target)
+    return out
+
+
 def _contiguous(op, layout) -> bool:
     return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
 
