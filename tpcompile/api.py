@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
+from tpcompile.core.subclass_weights import meta_like
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
 from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
@@ -207,9 +208,7 @@ class SignatureCapture:
         # plain tensor attributes (a mask cache) are meta in the copy too, their values kept
         # apart for each new graph (runtime.signatures.bind_constants)
         self.constants = {name: t.detach().clone() for name, t in plain_tensors(model).items()}
-        memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
-                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-                for t in list(model.parameters()) + list(model.buffers())
+        memo = {id(t): meta_like(t) for t in list(model.parameters()) + list(model.buffers())
                 + list(plain_tensors(model).values())}
         self.skeleton = copy.deepcopy(model, memo)
         self.device = next(model.parameters(), torch.empty(0)).device

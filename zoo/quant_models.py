@@ -91,6 +91,40 @@ def torchao_int8(model: nn.Module) -> nn.Module:
     return model.requires_grad_(False)
 
 
+# torchao 0.18's inference configs on a Hugging Face Llama's block linears (group-wise ones in
+# groups of ``group`` input features); the last two quantize activations per token as well
+TORCHAO = ("int8_weight_only", "intx_weight_only", "float8_weight_only",
+           "int8_dynamic_int8", "int8_dynamic_intx")
+DYNAMIC = ("int8_dynamic_int8", "int8_dynamic_intx")
+
+
+def torchao_config(name: str, group: int = 32):
+    """The torchao config ``name`` of :data:`TORCHAO` stands for (intx: int4 in ``group``s)."""
+    import torchao.quantization as q
+    from torchao.quantization.granularity import PerGroup
+
+    return {"int8_weight_only": lambda: q.Int8WeightOnlyConfig(),
+            "intx_weight_only": lambda: q.IntxWeightOnlyConfig(
+                weight_dtype=torch.int4, granularity=PerGroup(group)),
+            "float8_weight_only": lambda: q.Float8WeightOnlyConfig(),
+            "int8_dynamic_int8": lambda: q.Int8DynamicActivationInt8WeightConfig(),
+            "int8_dynamic_intx": lambda: q.Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=torch.int4, weight_granularity=PerGroup(group))}[name]()
+
+
+def torchao_blocks(model: nn.Module, name: str, group: int = 32, frozen: bool = True) -> nn.Module:
+    """``quantize_(model, torchao_config(name, group))`` on every linear inside the repeated
+    blocks (``layers.``: the embedding and LM head stay float); ``frozen``: every parameter
+    left stops requiring grad too (norms, embeddings)."""
+    from torchao.quantization import quantize_
+
+    def block_linear(module, fqn):
+        return isinstance(module, nn.Linear) and "layers." in fqn
+
+    quantize_(model, torchao_config(name, group), filter_fn=block_linear)
+    return model.requires_grad_(False) if frozen else model
+
+
 def build(kind: str, group: int = GROUP) -> tuple[nn.Module, tuple]:
     """(the built-in Llama with 4 kv heads quantized as ``kind``, its example inputs):
     ``int8``, ``int4`` (groups of ``group`` input features) or ``torchao_int8``."""
@@ -99,6 +133,12 @@ def build(kind: str, group: int = GROUP) -> tuple[nn.Module, tuple]:
     if kind == "torchao_int8":
         return torchao_int8(model), inputs
     return quantized(model, kind, group), inputs
+
+
+def subclass_part_names(model: nn.Module) -> list[str]:
+    """Names of the buffers a sharded module stores for torchao's subclass weights (``weight``
+    -> ``weight_qdata``, ``weight_scale``, ``weight_zero_point``)."""
+    return [n for n, _ in model.named_buffers() if n.rpartition(".")[2].startswith("weight_")]
 
 
 def quantized_names(model: nn.Module) -> list[str]:

@@ -23,7 +23,7 @@ from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole
 from tpcompile.passes.planner.propagate import (
     Constraints, Propagation, _same, carrier_chain, view_chain,
 )
-from tpcompile.passes.planner.quantized import dequantized_readers
+from tpcompile.passes.planner.quantized import dequantized_readers, undequantized_reason
 from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
 from tpcompile.passes.planner.rules import (
     is_lookup, is_param_matmul, is_view, piece_of, shard_map, weight_out_first,
@@ -197,6 +197,8 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
 def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str], cap: Capture,
                        ws: int) -> str:
     users = list(node.users)
+    if node.target in cap.subclass_parts and node.target not in cap.params:
+        return undequantized_reason(node)
     if node.target not in cap.params:
         return "buffer"
     if node.target in killed:
@@ -282,6 +284,7 @@ def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
         options=constraints.options,
         outputs=outputs,
         notes=cap.notes,
+        inference_only=cap.inference_only,
         experts=expert_placements(state.experts, params),
     )
 

@@ -135,6 +135,7 @@ def plan_sharding(cap: Capture, world_size: int,
                                  state.experts)
     plan = whole_looped_experts(gm, plan)
     check_mutations(gm, plan)  # an in-place write must not land on a copy others still read
+    no_rule.update(state.no_rule)  # freeze's trial cuts of quantized weights add theirs
     return plan, no_rule
 
 

@@ -3,7 +3,7 @@
 gpt-fast's int8 linear reads ``weight.to(x.dtype)``; a group-wise int4 one unpacks nibbles
 with shifts and masks, stacks them, casts and applies ``(w - 8) * scale + zero`` per group of
 the input dim before the matmul. Either way the matmul's weight operand is computed from
-stored tensors alone (no activation reaches it), and one of them is an integer tensor: the
+stored tensors alone (no activation reaches it), and one of them is an integer (or float8) tensor: the
 *quantized weight*. The planner treats it as the parameter behind that operand
 (``OpView.param_behind``), so the matmul starts a column-parallel root or joins a
 row-parallel one exactly as a float weight would; the root is named by the quantized weight.
@@ -16,9 +16,10 @@ import torch
 from torch import fx
 
 from tpcompile.passes.planner.dims import val
-from tpcompile.passes.planner.rules import is_param_matmul
+from tpcompile.passes.planner.rules import is_param_matmul, is_view
 
-__all__ = ["stored_inputs", "dequantized_weight", "dequantized_readers", "quantized_weights"]
+__all__ = ["is_quantized_storage", "stored_inputs", "dequantized_weight", "dequantized_readers", "quantized_weights",
+           "undequantized_reason", "weight_targets"]
 
 # a dequantization is a short computation: the search behind a matmul operand gives up past
 # this many nodes (an activation's history is the whole graph)
@@ -48,22 +49,26 @@ def stored_inputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
     return (leaves, inner) if visit(node) else None
 
 
-def _integer(node: fx.Node) -> bool:
+def is_quantized_storage(node: fx.Node) -> bool:
+    """An integer tensor, or a one-byte float (torchao's float8 ``qdata``): storage no matmul
+    reads as it is."""
     v = val(node)
-    return isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())
+    if not isinstance(v, torch.Tensor) or v.is_complex():
+        return False
+    return not v.is_floating_point() or v.element_size() == 1
 
 
 def dequantized_weight(node: fx.Node) -> fx.Node | None:
-    """The quantized weight a floating ``node`` dequantizes: the largest integer get_attr it
-    is computed from when only stored tensors reach it; else None."""
+    """The quantized weight a floating ``node`` dequantizes: the largest integer (or float8)
+    get_attr it is computed from when only stored tensors reach it; else None."""
     v = val(node)
     if (node.op == "get_attr" or not isinstance(v, torch.Tensor)
-            or not v.is_floating_point()):
+            or not v.is_floating_point() or v.element_size() == 1):
         return None
     found = stored_inputs(node)
     if found is None:
         return None
-    ints = [leaf for leaf in found[0] if _integer(leaf)]
+    ints = [leaf for leaf in found[0] if is_quantized_storage(leaf)]
     return max(ints, key=lambda n: val(n).numel()) if ints else None
 
 
@@ -85,3 +90,27 @@ def quantized_weights(gm: fx.GraphModule) -> frozenset[str]:
     """Targets of the tensors weight-only quantization stores for a matmul's weight (integer
     weights, the scales and zeros their dequantization reads before the matmul)."""
     return frozenset(leaf.target for leaf in dequantized_readers(gm))
+
+
+def undequantized_reason(node: fx.Node) -> str:
+    """Why a stored part of a tensor-subclass weight that no dequantization reads is kept
+    whole, naming the op that reads it (past its views)."""
+    seen = [node]
+    for n in seen:  # breadth first past views (a transposed weight read twice)
+        for u in n.users:
+            if is_view(u):
+                seen.append(u)
+            elif val(u) is not None:
+                return (f"part of a tensor-subclass weight that {u.name} ({u.target}) reads as "
+                        "stored, not dequantized to a float matmul weight (dynamic activation "
+                        "quantization: an integer matmul of activations quantized per token "
+                        "over their whole row, which a cut of that row would change): kept "
+                        "whole, its matmul runs replicated")
+    return "part of a tensor-subclass weight that no op reads"
+
+
+def weight_targets(cap) -> frozenset[str]:
+    """What the parameter bytes of a report count: parameters, the tensors weight-only
+    quantization stores for a matmul's weight, and every part of a tensor-subclass weight
+    (torchao's int8 / intx / float8 data, scales and zero points, dequantized or not)."""
+    return cap.params | quantized_weights(cap.gm) | cap.subclass_parts

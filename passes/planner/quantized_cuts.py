@@ -8,7 +8,10 @@ rank stores and dequantizes only its rows (column-parallel) or its groups of the
 candidate cut of each stored tensor is propagated forward through the rule table, and the one
 that arrives as the wanted shard, with no conversion on the way, is kept. A cut of the input
 dim that would split a group is no candidate (the view into groups is misaligned): the
-weight then stays replicated and is sliced at its use.
+weight then stays replicated and is sliced at its use. An op of the dequantization with no
+rule (torchao's ``dequantize_affine``, one custom op) is reported as any op with no rule that
+meets a shard: the pipeline writes in its decomposition (a view into groups, a subtract and a
+multiply) and plans again.
 """
 
 from __future__ import annotations
@@ -91,10 +94,12 @@ def _candidates(leaf: fx.Node, wanted: Shard, specs) -> list:
 
 def _forward(start: dict, inner: list[fx.Node], state, constraints) -> dict | None:
     """Propagate ``start`` (stored tensor -> placement) through ``inner`` with the rule table;
-    None when a rule converts an operand or asks for a new cut on the way."""
+    None when a rule converts an operand or asks for a new cut on the way. An op with no rule
+    on the way is added to ``state.no_rule``, for the pipeline to decompose."""
     trial = Propagation(placements=ChainMap(dict(start), state.placements), specs=state.specs)
     for node in inner:
         trial.placements[node] = _visit(node, trial, state.specs, constraints)
+        state.no_rule.update(trial.no_rule)
         if trial.conversions or trial.demands or trial.no_rule or trial.fallbacks:
             return None
     return {n: trial.placements[n] for n in list(start) + inner}

@@ -8,6 +8,16 @@ stores 1/N of the integer weights (column-parallel: rows; row-parallel: whole gr
 input dim), and the gathered state equals the model's. gpt-fast's static-cache decoder with
 int8 or int4 linears generates the unsharded model's greedy tokens. The plans themselves:
 ``tests/unit/test_quant_plans.py``.
+
+torchao 0.18's inference configs on a tiny Hugging Face Llama (``zoo/quant_models.TORCHAO``),
+parallelized under ``torch.no_grad`` in one launch: the weight-only ones (int8, int4 in groups
+of 32, float8) store 1/N of every part (data, scales, zero points) but a row-parallel weight's
+per-output-row scales, pay the float model's forward collectives, match the unsharded
+quantized model to 1e-6 and ``generate`` its greedy tokens. The dynamic-activation ones
+(int8 or int4 weights with int8 activations) quantize each token over its whole row, which a
+row-parallel cut would change: their weights stay whole, each with its reason, the outputs and
+tokens are the model's, and a call with grad enabled is refused (a straight-through rounding
+Function was traced through).
 """
 
 from __future__ import annotations
@@ -78,3 +88,89 @@ def test_quantized_static_cache_decoder_generates_the_unsharded_tokens(generated
         assert "error" not in c, c.get("error")
         assert c["tokens"] == c["want"]
         assert 0 < c["int_bytes"] <= 1.02 * c["int_bytes_total"] / 2
+
+
+WEIGHT_ONLY = ["int8_weight_only", "intx_weight_only", "float8_weight_only"]
+DYNAMIC = ["int8_dynamic_int8", "int8_dynamic_intx"]
+
+
+@pytest.fixture(scope="module")
+def torchao():
+    """(world size, configs, configs that generate) -> one launch's per-rank results; int4
+    groups of 32 at 2 ranks, of 16 at 4 (a rank's 16 input features of o_proj, one group)."""
+    pytest.importorskip("torchao")
+    return LaunchedOnDemand(lambda key: run_on_ranks(
+        f"{BODIES}:torchao", key[0], list(key[1]), 32 if key[0] == 2 else 16, list(key[2]),
+        timeout=600))
+
+
+# CI: one 2-rank launch, every config planned and run, the weight-only ones generating (each
+# generate captures twice more); slow: the dynamic ones' generate, and 4 ranks
+CI = (2, tuple(WEIGHT_ONLY + DYNAMIC), tuple(WEIGHT_ONLY))
+SLOW = {2: (2, tuple(DYNAMIC), tuple(DYNAMIC)),
+        4: (4, tuple(WEIGHT_ONLY + DYNAMIC), tuple(WEIGHT_ONLY + DYNAMIC))}
+
+
+def _torchao_cases(torchao, key: tuple, name: str) -> list:
+    per_rank = [r[name] for r in torchao[key]]
+    for c in per_rank:
+        assert "error" not in c, c.get("error")
+    return per_rank
+
+
+def _whole_as_in_float(name: str, ws: int) -> bool:
+    """Parts the float model's plan keeps whole too: a row-parallel weight's scales (one per
+    output row, each read by every rank's part) and, with fewer kv heads (2) than ranks, the
+    k and v projections."""
+    row_scale = name.endswith("_scale") and ("o_proj" in name or "down_proj" in name)
+    return row_scale or (ws > 2 and any(p in name for p in ("k_proj", "v_proj")))
+
+
+def _check_weight_only(cases: list, ws: int) -> None:
+    for c in cases:
+        assert c["output_err"] <= 1e-6
+        assert c["tokens"] == c["want"] and c["tokens"] is not None
+        assert c["collectives"] == {"all_reduce": 2 * N_LAYERS}  # the float model's: unit tests
+        whole = [n for n, (style, _) in c["plans"].items() if style == "replicate"]
+        assert all(_whole_as_in_float(n, ws) for n in whole), whole
+        # k / v whole at 4 ranks: 1/3 of the quantized bytes more than 1/N
+        assert 0 < c["part_bytes"] <= (1.1 if ws == 2 else 1.5) * c["part_bytes_total"] / ws
+        assert c["training"] == "" and c["inference_only"] == ""
+
+
+def _check_dynamic(cases: list) -> None:
+    for c in cases:
+        assert c["output_err"] <= 1e-6
+        assert c["tokens"] == c["want"]
+        assert c["collectives"] == {}
+        assert c["part_bytes"] == c["part_bytes_total"] > 0
+        assert all(style == "replicate" and reason not in ("", "buffer")
+                   for style, reason in c["plans"].values()), c["plans"]
+        assert c["inference_only"].startswith("inference only: the forward applies custom "
+                                              "autograd Functions (_Round")
+        assert c["training"].startswith("CaptureError: this module is inference only")
+
+
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_torchao_weight_only_is_cut_like_float_and_generates_the_models_tokens(torchao, name):
+    _check_weight_only(_torchao_cases(torchao, CI, name), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_torchao_weight_only_at_four_ranks(torchao, name):
+    _check_weight_only(_torchao_cases(torchao, SLOW[4], name), 4)
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_torchao_dynamic_activations_run_whole_with_reasons_and_refuse_training(torchao, name):
+    _check_dynamic(_torchao_cases(torchao, CI, name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_torchao_dynamic_activations_generate_the_models_tokens(torchao, name, ws):
+    cases = _torchao_cases(torchao, SLOW[ws], name)
+    _check_dynamic(cases)
+    assert all(c["tokens"] is not None for c in cases)

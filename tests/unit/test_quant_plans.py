@@ -4,7 +4,10 @@ gpt-fast's int8 linears and group-wise int4 ones (``zoo/quant_models.py``) are p
 the float model they came from: every block linear column- or row-parallel as Megatron cuts
 it, the forward paying 2 all-reduces per layer, and each rank storing 1/N of every integer
 weight and of the int4 scales and zeros (column-parallel: its rows; row-parallel: whole
-groups of the input dim). Numerics on gloo ranks: ``tests/gloo/test_quant.py``.
+groups of the input dim). torchao 0.18's weight-only configs (int8, int4 in groups, float8)
+on a tiny Hugging Face Llama are planned like its float model; its dynamic-activation configs
+are inference only, their weights whole and named. Numerics on gloo ranks:
+``tests/gloo/test_quant.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ import collections
 import math
 
 import pytest
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from tpcompile import CaptureError
+from tpcompile.api import plan_model
 from tpcompile.inspect.explain import explain
 from tpcompile.tools import models
 from zoo import quant_models
@@ -134,3 +141,90 @@ def test_reusing_blocks_plans_quantized_weights_alike(kind):
     for name, p in whole.params.items():
         assert (reused.params[name].style, reused.params[name].local_shape) == (
             p.style, p.local_shape), name
+
+
+def _torchao_llama(name: str, frozen: bool = True):
+    from zoo.hf_models import hf_causal_lm, hf_prompt
+
+    ids, mask = hf_prompt()
+    return quant_models.torchao_blocks(hf_causal_lm("llama").eval(), name, frozen=frozen), ids
+
+
+def _float_bytes(model) -> int:
+    """Bytes of the model's plain parameters (not its subclass weights)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if not is_traceable_wrapper_subclass(p))
+
+
+def _part_bytes(report, model) -> int:
+    """Bytes of every part of the model's subclass weights (data, scales, zero points)."""
+    return sum(math.prod(p.global_shape) * torch.empty(0, dtype=getattr(torch, p.dtype))
+               .element_size() for n, p in report.params.items()
+               if n.rpartition(".")[2].startswith("weight_"))
+
+
+@pytest.mark.parametrize("name", ["int8_weight_only", "intx_weight_only", "float8_weight_only"])
+def test_torchao_weight_only_configs_are_planned_like_the_float_model(name):
+    """Every quantized block weight of torchao's weight-only configs (float8 and group-wise
+    int4 included) is cut as the float weight is, with its scales and zero points (a
+    row-parallel weight's scales, one per output row, whole); the report counts every part."""
+    pytest.importorskip("torchao")
+    from zoo.hf_models import hf_causal_lm
+
+    model, ids = _torchao_llama(name)
+    plain = _report(hf_causal_lm("llama").eval().requires_grad_(False), (ids,), 2)
+    with torch.no_grad():
+        report = _report(model, (ids,), 2)
+    assert _forward(report) == _forward(plain) == {"all_reduce": 2 * N_LAYERS}
+    for fqn, want in plain.params.items():
+        if not fqn.endswith(".weight") or ".layers." not in fqn or "norm" in fqn:
+            continue
+        owner = fqn.removesuffix(".weight")
+        for part in ("qdata", "scale", "zero_point"):
+            got = report.params.get(f"{owner}.weight_{part}")
+            if got is None or (part == "scale" and want.style == "rowwise"
+                               and got.global_shape[1] == 1):
+                continue
+            assert (got.style, got.dim) == (want.style, want.dim), (owner, part)
+    assert _verdict(report).strip().startswith("-> at the bound")
+    assert report.param_bytes_total == _float_bytes(model) + _part_bytes(report, model)
+
+
+def test_intx_groups_a_rank_would_split_keep_the_weight_whole_and_say_so():
+    """Int4 groups of 32 over 4 ranks: a rank's 16 of o_proj's 64 input features would split
+    a group, so o_proj stays whole, named, and the plan is above the bound; down_proj's 128
+    are 4 groups, one per rank, with its scales and zero points."""
+    pytest.importorskip("torchao")
+    model, ids = _torchao_llama("intx_weight_only")
+    with torch.no_grad():
+        report = _report(model, (ids,), 4)
+    for layer in range(N_LAYERS):
+        o, down = (f"model.layers.{layer}.{m}.weight_" for m in ("self_attn.o_proj", "mlp.down_proj"))
+        assert report.params[o + "qdata"].style == "replicate"
+        assert "would split a group" in report.params[o + "qdata"].reason
+        for part in ("qdata", "scale", "zero_point"):
+            p = report.params[down + part]
+            assert p.style == "rowwise" and p.dim == 1, (down, part)
+        assert report.params[down + "scale"].local_shape == [64, 1]
+    assert _verdict(report).strip().startswith("-> above the bound: ")
+
+
+@pytest.mark.parametrize("name", ["int8_dynamic_int8", "int8_dynamic_intx"])
+def test_dynamic_activation_configs_are_inference_only_whole_and_named(name):
+    """torchao's dynamic activation quantization rounds through a straight-through autograd
+    Function: refused for training, planned under no_grad (or frozen) with every quantized
+    weight whole, each with the op that reads it, all counted in the bytes."""
+    pytest.importorskip("torchao")
+    trainable, ids = _torchao_llama(name, frozen=False)
+    with pytest.raises(CaptureError, match="_Round is a custom torch.autograd.Function"):
+        _report(trainable, (ids,), 2)
+    with torch.no_grad():
+        report = _report(trainable, (ids,), 2)
+    _, plan = plan_model(trainable.requires_grad_(False), (ids,), 2)  # frozen: grad mode aside
+    assert plan.inference_only.startswith("inference only: the forward applies custom autograd")
+    parts = {n: p for n, p in report.params.items() if n.rpartition(".")[2].startswith("weight_")}
+    assert parts and all(p.style == "replicate" and p.quantized for p in parts.values())
+    qdata = [p.reason for n, p in parts.items() if n.endswith("_qdata")]
+    assert all(" reads as stored" in r or "would all-gather where" in r for r in qdata), qdata
+    assert report.param_bytes_total == _float_bytes(trainable) + _part_bytes(report, trainable)
+    assert "at the bound" not in _verdict(report) or "not judged" in _verdict(report)

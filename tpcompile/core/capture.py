@@ -38,9 +38,9 @@ from tpcompile.compat import stack_traces as recorded_stack_traces
 from tpcompile.core.cache_configs import cache_hint, caches_off
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
-from tpcompile.core.subclass_weights import unwrap_subclass_weights
+from tpcompile.core.subclass_weights import subclass_parts, unwrap_subclass_weights
 from tpcompile.core.capture_checks import (
-    custom_function_calls, forward_state_guard, refuse_custom_functions,
+    custom_function_calls, custom_functions_verdict, forward_state_guard,
 )
 from tpcompile.errors import CaptureError
 
@@ -61,6 +61,10 @@ class Capture:
     trainable: frozenset[str]
     input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     notes: tuple[str, ...] = ()  # what capture changed about the call (shown by the plan)
+    # why no backward may run through the graph (capture_checks.custom_functions_verdict)
+    inference_only: str = ""
+    # get_attr targets holding the parts of tensor-subclass weights (torchao's qdata, scales)
+    subclass_parts: frozenset[str] = frozenset()
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -189,7 +193,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
         with (caches_off(model, notes), forward_state_guard(model),
               custom_function_calls() as applied):
             ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=stack_traces)
-        refuse_custom_functions(applied)
+        inference_only = custom_functions_verdict(applied, _inference_capture(model))
         if not stack_traces and _writes_in_place(ep.graph_module):
             with caches_off(model, []), forward_state_guard(model):
                 ep = _export(model, args, kwargs, dynamic, static_dims, stack_traces=True)
@@ -221,7 +225,16 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     aliases, params, trainable = attribute_info(gm, model)
     specs = tuple((tuple(a.shape), a.dtype) for a in tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor))
-    return _noted(Capture(gm, aliases, params, trainable, specs), *notes)
+    if inference_only:
+        notes.append(inference_only)
+    return _noted(Capture(gm, aliases, params, trainable, specs, inference_only=inference_only,
+                          subclass_parts=subclass_parts(model, gm)), *notes)
+
+
+def _inference_capture(model: nn.Module) -> bool:
+    """No backward can follow this capture's call: it runs under ``torch.no_grad()`` (or
+    ``inference_mode``), or the model has no trainable parameter."""
+    return not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters())
 
 
 def attribute_info(gm: fx.GraphModule, model: nn.Module):

@@ -3,7 +3,8 @@
 - *Custom autograd Functions*: export traces through ``forward`` and keeps no trace of
   ``backward``, so a parallelized model would differentiate the forward's ops instead of the
   Function's own backward (straight-through estimators, recomputation tricks): gradients that
-  differ from the model's. Detected by recording ``Function.apply`` during the capture.
+  differ from the model's. Detected by recording ``Function.apply`` during the capture, and
+  refused unless the capture is inference-only (no backward can follow it).
 - *Python state assigned in forward* (``self.step += 1``, ``self.cache = h``): the graph is
   traced once, so the parallelized model would run forever with the values of the capture call
   (export restores ints and warns about tensors, but keeps new attributes on the model).
@@ -31,7 +32,7 @@ from torch import nn
 
 from tpcompile.errors import CaptureError
 
-__all__ = ["forward_state_guard", "custom_function_calls", "refuse_custom_functions"]
+__all__ = ["forward_state_guard", "custom_function_calls", "custom_functions_verdict"]
 
 _STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, training...
 _CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
@@ -134,13 +135,28 @@ def custom_function_calls():
         torch.autograd.Function.apply = original
 
 
-def refuse_custom_functions(calls: list[tuple[str, str]]) -> None:
-    """Raise if the traced forward applied a custom autograd Function (see the module doc)."""
-    if calls:
-        name, where = calls[0]
+def custom_functions_verdict(calls: list[tuple[str, str]], inference: bool) -> str:
+    """What the custom autograd Functions the traced forward applied mean for the capture.
+
+    None applied: "". Training (``inference`` False): raise, the gradients would not be the
+    model's (see the module doc). An inference-only capture (under ``torch.no_grad()``, or a
+    model with no trainable parameter: torchao's dynamic activation quantization rounds
+    through a straight-through ``_Round``) runs the forward exactly, and no backward follows
+    it: the returned note says why the module then refuses a call that could start one
+    (:attr:`tpcompile.core.plan.ShardingPlan.inference_only`)."""
+    if not calls:
+        return ""
+    names = ", ".join(sorted({name for name, _ in calls}))
+    name, where = calls[0]
+    if not inference:
         raise CaptureError(
             f"{name} is a custom torch.autograd.Function (applied at {where}): torch.export "
             "traces through its forward and drops its backward, so the parallelized model's "
             "gradients would not be the model's\n  hint: register it as a custom op "
             "(torch.library.custom_op with register_autograd): tpcompile keeps such an op "
-            "whole (gathering sharded inputs) and its backward runs as written")
+            "whole (gathering sharded inputs) and its backward runs as written; for inference "
+            "only, parallelize under torch.no_grad() (or freeze the model with "
+            "requires_grad_(False))")
+    return (f"inference only: the forward applies custom autograd Functions ({names}, first at "
+            f"{where}) whose backward torch.export drops, so no gradient may flow through "
+            "this module")

@@ -141,6 +141,9 @@ class ShardingPlan:
     options: PlanOptions = PlanOptions()
     outputs: tuple = ()                    # placement of each flat graph output
     notes: tuple[str, ...] = ()            # what capture changed about the call
+    # why no backward may run through the graph (custom autograd Functions traced through in
+    # an inference-only capture); "" when it may be trained
+    inference_only: str = ""
     # module of stacked expert weights -> how its experts are cut, and why (options.experts)
     experts: dict[str, str] = field(default_factory=dict)
 
@@ -186,6 +189,7 @@ class ShardingPlan:
             "options": asdict(self.options),
             "outputs": placement_to_json(list(self.outputs)),
             "notes": list(self.notes),
+            "inference_only": self.inference_only,
             "experts": self.experts,
         }
         return json.dumps(obj, sort_keys=True)
@@ -217,6 +221,7 @@ class ShardingPlan:
             options=PlanOptions(**obj.get("options", {})),
             outputs=tuple(placement_from_json(obj.get("outputs", []))),
             notes=tuple(obj.get("notes", ())),
+            inference_only=obj.get("inference_only", ""),
             experts=obj.get("experts", {}),
         )
 

@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from tpcompile.core.block_paths import block_of
 from tpcompile.core.capture import Capture, _fetch, attribute_info, capture
-from tpcompile.core.subclass_weights import subclass_part
+from tpcompile.core.subclass_weights import subclass_part, subclass_parts
 
 __all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "REUSED"]
 
@@ -265,4 +265,5 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
     gm.graph.lint()  # GraphModule() has generated its code
     gm.meta[REUSED] = (path, len(blocks))  # not a note: the plan must equal a whole capture's
     aliases, params, trainable = attribute_info(gm, model)
-    return replace(short, gm=gm, aliases=aliases, params=params, trainable=trainable)
+    return replace(short, gm=gm, aliases=aliases, params=params, trainable=trainable,
+                   subclass_parts=subclass_parts(model, gm))

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["unwrap_subclass_weights", "subclass_part"]
+__all__ = ["unwrap_subclass_weights", "subclass_part", "subclass_parts", "meta_like"]
 
 
 def _access_op():
@@ -77,3 +77,24 @@ def subclass_part(model: nn.Module, target: str) -> torch.Tensor | None:
             if part in t.__tensor_flatten__()[0]:
                 return getattr(t, part).detach()
     return None
+
+
+def subclass_parts(model: nn.Module, gm: fx.GraphModule) -> frozenset[str]:
+    """The get_attr targets of ``gm`` that are parts of ``model``'s subclass weights: what a
+    quantized weight stores (its data, scales and zero points), counted as weight bytes
+    whether or not the planner sees a dequantization behind them."""
+    return frozenset(n.target for n in gm.graph.find_nodes(op="get_attr")
+                     if subclass_part(model, n.target) is not None)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the meta device, a Parameter if ``t`` is one. A tensor subclass (torchao's
+    ``Int8Tensor``, which implements no ``empty_like``) is rebuilt from meta copies of its
+    parts, so a meta skeleton of a quantized model captures the graph the model does."""
+    if is_traceable_wrapper_subclass(t):
+        names, ctx = t.__tensor_flatten__()
+        parts = {n: meta_like(getattr(t, n)) for n in names}
+        meta = type(t).__tensor_unflatten__(parts, ctx, t.size(), t.stride())
+    else:
+        meta = torch.empty_like(t, device="meta")
+    return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta

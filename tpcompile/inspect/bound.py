@@ -58,7 +58,7 @@ from tpcompile.inspect.bound_graph import (
     Matmul, find_matmuls, reach_forward, root_of, value_bytes, whole_read,
 )
 from tpcompile.inspect.chains import layer_of
-from tpcompile.passes.planner.quantized import quantized_weights
+from tpcompile.passes.planner.quantized import is_quantized_storage, weight_targets
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
 
@@ -203,12 +203,23 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
                        "backward": tuple(sorted(n.name for n in roots | stats))})
 
 
+def _undequantized(cap: Capture, found: list[Matmul]) -> list[str]:
+    """Quantized data of subclass weights that no matmul of a float weight reads (an integer
+    matmul of dynamically quantized activations): not judged, each named."""
+    judged = {w for m in found for w in m.weights}
+    return [f"{n.target}: quantized data its matmul reads as stored, with activations "
+            "quantized per token (no float weight the bound knows)"
+            for n in cap.gm.graph.find_nodes(op="get_attr")
+            if n.target in cap.subclass_parts and n.target not in judged
+            and is_quantized_storage(n)]
+
+
 def megatron_bound(cap: Capture, world_size: int) -> Bound:
     """Megatron's plan of ``cap``'s model on ``world_size`` ranks (see the module docstring)."""
     found = find_matmuls(cap, LOW_RANK)
     mms = [m for m in found if m.out_features and m.in_features]
     undecided = [f"{w}: its matmul's features have no example size" for m in found
-                 if m not in mms for w in m.weights]
+                 if m not in mms for w in m.weights] + _undequantized(cap, found)
     by_layer: dict[str, list[Matmul]] = {}
     for m in mms:
         by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
@@ -243,7 +254,7 @@ def _ideal_bytes(cap: Capture, styles: dict, whole_part: dict, world_size: int) 
     """Every parameter and quantized weight tensor (what explain's parameter bytes count) once:
     split ones / N (but their ``whole_part`` whole), the rest whole (aliases of a tied weight
     once)."""
-    seen, total, counted = set(), 0.0, cap.params | quantized_weights(cap.gm)
+    seen, total, counted = set(), 0.0, weight_targets(cap)
     for n in cap.gm.graph.find_nodes(op="get_attr"):
         names = cap.aliases.get(n.target, (n.target,))
         if n.target not in counted or names in seen:

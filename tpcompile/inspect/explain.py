@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
-from tpcompile.passes.planner.quantized import quantized_weights
+from tpcompile.passes.planner.quantized import quantized_weights, weight_targets
 from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
@@ -142,7 +142,7 @@ def attr_dtypes(trace: RewriteTrace) -> dict:
 
 def _params(trace: RewriteTrace) -> dict[str, ParamEntry]:
     plan, rank, dtypes = trace.plan, trace.rank, attr_dtypes(trace)
-    quantized = quantized_weights(trace.cap.gm)
+    quantized = quantized_weights(trace.cap.gm) | trace.cap.subclass_parts
     out = {}
     for name, p in sorted(plan.params.items()):
         sharded = isinstance(p.placement, Shard) and p.style != "replicate"
@@ -165,11 +165,11 @@ def _node_name(trace: RewriteTrace, target: str) -> str:
 
 def param_bytes(trace: RewriteTrace) -> tuple[list[int], int]:
     """Per-rank and unsharded bytes of the parameters (trainable or frozen) and of the
-    buffers weight-only quantization stores instead (integer weights, the scales and zeros
-    their dequantization reads), each tensor once."""
+    buffers quantization stores instead (integer or float8 weights, the scales and zeros
+    their dequantization reads, every part of a tensor-subclass weight), each tensor once."""
     seen, per_rank, total = set(), [0] * trace.plan.world_size, 0
     dtypes = attr_dtypes(trace)
-    weights = trace.cap.params | quantized_weights(trace.cap.gm)
+    weights = weight_targets(trace.cap)
     for name, p in trace.plan.params.items():
         if name not in weights or p.aliases in seen:
             continue

@@ -152,7 +152,7 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
     def row(layer: str) -> dict:
         return rows.setdefault(layer, dict(layer=layer, chains=[], bound_forward=0,
                                            bound_backward=0, bound_bytes=0, forward=0,
-                                           backward=0, bytes=0, whole=[]))
+                                           backward=0, bytes=0, whole=[], undecided=[]))
 
     for layer, block in trace.bound.blocks.items():
         row(layer).update(bound_forward=block.forward, bound_backward=block.backward,

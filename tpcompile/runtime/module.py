@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
-from tpcompile.errors import TPCompileError
+from tpcompile.errors import CaptureError, TPCompileError
 from tpcompile.runtime.calls import CallCheck
 from tpcompile.runtime.inputs import InputSpec
 from tpcompile.runtime.regions import regional_graph
@@ -63,6 +63,8 @@ class TPModule(nn.Module):
         self.compile_regions = False
 
     def forward(self, *args, **kwargs):
+        if self.plan.inference_only and not torch.compiler.is_compiling():
+            self._refuse_backward(args, kwargs)
         if not torch.compiler.is_compiling():  # compiled: the graph's own guards only
             # an InputError (or, ranks disagreeing, an InputMismatchError on every rank), not
             # a failure deep inside the graph or a collective pairing mismatched buffers
@@ -75,6 +77,21 @@ class TPModule(nn.Module):
         if self.compile_regions:
             return self.regional_graph_module(*args, **kwargs)
         return self._graph_for(args, kwargs)[1](*args, **kwargs)
+
+    def _refuse_backward(self, args, kwargs) -> None:
+        """An inference-only graph (custom autograd Functions traced through) refuses a call
+        a backward could follow: grad enabled, and a trainable shard or an input that
+        requires grad."""
+        if not torch.is_grad_enabled():
+            return
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        if (any(p.requires_grad for p in self.parameters())
+                or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
+            raise CaptureError(
+                f"this module is {self.plan.inference_only}; a call with grad enabled could "
+                "train through them\n  hint: call it under torch.no_grad() (or freeze it with "
+                "requires_grad_(False)); to train, register those Functions as custom ops "
+                "(torch.library.custom_op with register_autograd)")
 
     def _graph_for(self, args: tuple, kwargs: dict):
         """The graph captured for this call's signature; a new capture for a new signature
@@ -210,8 +227,12 @@ def gather_full(local: torch.Tensor, placement, plan: ShardingPlan, group,
                 dst: int | None = None) -> torch.Tensor | None:
     """Reassemble a full tensor from every rank's shard (identity for replicated tensors).
 
-    With ``dst`` (a rank of ``group``) only that rank receives it; the others get None.
+    With ``dst`` (a rank of ``group``) only that rank receives it; the others get None. A
+    float8 tensor (torchao's qdata) moves as its bytes: gloo has no float8 type.
     """
+    if local.is_floating_point() and local.element_size() == 1:
+        full = gather_full(local.view(torch.uint8), placement, plan, group, dst)
+        return None if full is None else full.view(local.dtype)
     if dst is not None and dist.get_rank(group) != dst:
         if isinstance(placement, Shard):
             dist.gather(_padded(local, placement, plan), None, group=group, group_dst=dst)
