@@ -55,7 +55,7 @@ WORLD_SIZES = (2, 3)
 MAX_SAMPLES = 8        # per OpInfo
 MAX_PLACEMENTS = 48    # input placement combinations per (node, world size); sampled beyond
 # measured on torch 2.13 (CPU): the floor keeps coverage from dropping silently
-FLOOR = {2: 2400, 3: 2400}   # 2489 and 2549 checked
+FLOOR = {2: 2400, 3: 2400}   # 2575 and 2635 checked
 MIN_OVERLOADS = 200          # of the ruled overloads (pointwise tags included) samples reach
 
 # OpInfos that reach a ruled overload only through another name or a decomposition
@@ -79,14 +79,10 @@ def _random_sdpa(node: fx.Node) -> bool:
 
 
 # Known unsound cases: name -> (predicate on (node, input placements), reason). Each is
-# checked to still fail by test_known_unsound (strict xfail), so a fix shows up.
-KNOWN = {
-    "dropout_p1": (
-        lambda node, inputs: node.target is aten.dropout.default and node.args[1] == 1.0
-        and node.args[2] and any(isinstance(p, Shard) for p in inputs.values()),
-        "tpcompile.runtime.rng.sharded_dropout with p=1 divides its all-zero mask by 1-p = 0: "
-        "NaN where aten.dropout returns zeros (a runtime fix, outside the rule table)"),
-}
+# checked to still fail by test_known_unsound (strict xfail), so a fix shows up. Empty:
+# dropout with p=1 (sharded, it divided its mask by 1 - p = 0) is checked with the rest and by
+# test_dropout_p1_is_exact.
+KNOWN: dict = {}
 
 
 @dataclass
@@ -398,3 +394,35 @@ def test_known_unsound(cases, name):
     assert seen, f"no OpInfo sample reaches known case {name}: remove it from KNOWN"
     assert failed, f"known case {name} agrees now ({seen} cases): remove it from KNOWN"
     pytest.xfail(f"{failed}/{seen} cases: {why}")
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_dropout_p1_is_exact(ws):
+    """Dropout with p=1 gives zeros and zero gradients on every rank's slice, sharded (unevenly
+    at ws 3) or replicated, as the unsharded op does, and draws nothing: the generator stays
+    in step with the unsharded model's (a later dropout's mask still matches)."""
+    from tpcompile.runtime.rng import sharded_dropout
+    size, per = 5, -(-5 // ws)
+    ranges = [[(min(r * per, size), min((r + 1) * per, size))] for r in range(ws)]
+    x = torch.randn(3, size, dtype=torch.float64)
+    x[0, 0] = float("inf")  # x * 0, as aten.dropout computes it: NaN here, on both sides
+    torch.manual_seed(0)
+    whole = x.clone().requires_grad_()
+    expected = torch.nn.functional.dropout(whole, 1.0, True)
+    expected.sum().backward()
+    after = torch.get_rng_state()
+    assert not expected[1:].any() and whole.grad.eq(0).all()
+    for r in range(ws):
+        (s, e), = ranges[r]
+        for name, fn in (("sharded", lambda t: sharded_dropout(t, 1.0, True, 1, size, ranges[r])),
+                         ("replicated", lambda t: aten.dropout(t, 1.0, True))):
+            full = name == "replicated"
+            mine = (x if full else x[:, s:e]).clone().requires_grad_()
+            torch.manual_seed(0)
+            out = fn(mine)
+            out.sum().backward()
+            want, grad = (expected, whole.grad) if full else (expected[:, s:e], whole.grad[:, s:e])
+            torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True,
+                                       msg=f"{name} rank {r}: forward")
+            torch.testing.assert_close(mine.grad, grad, rtol=0, atol=0, msg=f"{name} rank {r}: grad")
+            assert torch.equal(torch.get_rng_state(), after), f"{name} rank {r}: drew numbers"

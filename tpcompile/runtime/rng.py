@@ -7,7 +7,8 @@ both true:
 
 * ``aten.dropout`` on a sharded tensor draws the mask of the *whole* tensor from the default
   generator and keeps this rank's slice: every rank consumes the same numbers, and the result
-  is exactly the unsharded model's (same seed, same mask).
+  is exactly the unsharded model's (same seed, same mask). At ``p == 1`` it draws nothing and
+  multiplies by zero, as ``aten.dropout`` does (the mask would be divided by ``1 - p = 0``).
 * SDPA's internal attention dropout cannot be given a mask, so a sharded SDPA runs on a
   per-rank generator (seeded from the default seed and the rank, advanced call after call, like
   Megatron's model-parallel RNG tracker) and leaves the default generator untouched.
@@ -27,6 +28,8 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, dim: int, size: int,
     """Dropout of this rank's slice ``ranges`` (of a dim of global ``size``) of a tensor."""
     if not train or p == 0:
         return x
+    if p == 1:  # aten.dropout's own p == 1 path: no draw (the generator stays in step), x * 0
+        return x * x.new_zeros(())
     shape = list(x.shape)
     shape[dim] = size
     keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
