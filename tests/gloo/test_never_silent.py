@@ -85,3 +85,24 @@ def test_each_cell_is_sharded_and_exact_or_names_why(results, ws, entry, source)
         assert cell["grad_err"] is None or cell["grad_err"] <= 1e-5, (rank, cell)
         assert cell.get("tokens_equal", True), (rank, cell)
         assert cell.get("verdict", "at the bound").startswith("at the bound"), (rank, cell)
+
+
+def matrix_table() -> str:
+    """The matrix as docs/guarantees.md shows it: each cell's expected outcome, (CI) where CI
+    runs it at 2 ranks (every cell runs at 2 and 4 ranks under -m slow)."""
+    def outcome(cell) -> str:
+        if cell not in CELLS:
+            return "-"
+        ran = {"eager": "sharded, exact, at the bound", "pretrained": "sharded, same tokens"}
+        said = (f"refused: {REFUSED[cell].split(':')[0]}" if cell in REFUSED else
+                "runs unchanged, warned: " + DECLINED[cell] if cell in DECLINED else
+                ran.get(cell[0], "sharded, exact"))
+        return said + (" (CI)" if cell in CI else "")
+    lines = ["| source | " + " | ".join(ENTRIES) + " |", "|---|" + "---|" * len(ENTRIES)]
+    lines += [f"| {s} | " + " | ".join(outcome((e, s)) for e in ENTRIES) + " |" for s in SOURCES]
+    return "\n".join(lines)
+
+
+def test_guarantees_lists_the_matrix():
+    doc = (Path(__file__).parents[2] / "docs" / "guarantees.md").read_text()
+    assert matrix_table() in doc, matrix_table()
