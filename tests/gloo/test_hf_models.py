@@ -26,8 +26,13 @@ AT_4_IN_CI = {("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", 
               ("mixtral", False), ("llama", True), ("gpt2", True)}
 
 
+# BART and Whisper hold one config object (they captured before the config switch reached
+# sub-configs): at 2 ranks too they run with -m slow; T5, whose stacks keep their own, in CI
+SLOW_AT_2 = {("bart", False), ("whisper", False)}
+
+
 def _in_ci(ws: int, case: tuple) -> bool:
-    return ws != 4 or case in AT_4_IN_CI
+    return case in AT_4_IN_CI if ws == 4 else case not in SLOW_AT_2
 
 
 def _params(names: list, labels: bool) -> list:

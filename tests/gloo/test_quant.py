@@ -104,10 +104,11 @@ def torchao():
         timeout=600))
 
 
-# CI: one 2-rank launch, every config planned and run, the weight-only ones generating (each
-# generate captures twice more); slow: the dynamic ones' generate, and 4 ranks
-CI = (2, tuple(WEIGHT_ONLY + DYNAMIC), tuple(WEIGHT_ONLY))
-SLOW = {2: (2, tuple(DYNAMIC), tuple(DYNAMIC)),
+# CI: one 2-rank launch, every config planned and run, int8 weight-only generating (each
+# generate captures twice more; it was the config whose generate failed); slow: the others'
+# generate at 2 ranks, and 4 ranks
+CI = (2, tuple(WEIGHT_ONLY + DYNAMIC), ("int8_weight_only",))
+SLOW = {2: (2, tuple(WEIGHT_ONLY[1:] + DYNAMIC), tuple(WEIGHT_ONLY[1:] + DYNAMIC)),
         4: (4, tuple(WEIGHT_ONLY + DYNAMIC), tuple(WEIGHT_ONLY + DYNAMIC))}
 
 
@@ -126,10 +127,10 @@ def _whole_as_in_float(name: str, ws: int) -> bool:
     return row_scale or (ws > 2 and any(p in name for p in ("k_proj", "v_proj")))
 
 
-def _check_weight_only(cases: list, ws: int) -> None:
+def _check_weight_only(cases: list, ws: int, generated: bool = True) -> None:
     for c in cases:
         assert c["output_err"] <= 1e-6
-        assert c["tokens"] == c["want"] and c["tokens"] is not None
+        assert c["tokens"] == c["want"] and (c["tokens"] is not None) == generated
         assert c["collectives"] == {"all_reduce": 2 * N_LAYERS}  # the float model's: unit tests
         whole = [n for n, (style, _) in c["plans"].items() if style == "replicate"]
         assert all(_whole_as_in_float(n, ws) for n in whole), whole
@@ -153,7 +154,13 @@ def _check_dynamic(cases: list) -> None:
 
 @pytest.mark.parametrize("name", WEIGHT_ONLY)
 def test_torchao_weight_only_is_cut_like_float_and_generates_the_models_tokens(torchao, name):
-    _check_weight_only(_torchao_cases(torchao, CI, name), 2)
+    _check_weight_only(_torchao_cases(torchao, CI, name), 2, name in CI[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WEIGHT_ONLY[1:])
+def test_torchao_weight_only_generates_the_models_tokens(torchao, name):
+    _check_weight_only(_torchao_cases(torchao, SLOW[2], name), 2)
 
 
 @pytest.mark.slow

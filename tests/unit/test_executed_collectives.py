@@ -30,6 +30,7 @@ import tpcompile
 from tpcompile.inspect.executed import count_executed_collectives
 from tpcompile.runtime.collectives import COLLECTIVE_FNS
 from tpcompile.tools import models
+from bench import hf_sweep
 from zoo import idioms, joint_attention
 
 WORLD_SIZE = 2
@@ -227,13 +228,10 @@ def test_idioms(rank0, name):
 
 
 def _families():
-    sweep = pytest.importorskip("bench.hf_sweep")
-    return [_param(f, f in ("Qwen3ForCausalLM",), f) for f in sweep.REPRESENTATIVE]
+    return [_param(f, f in ("Qwen3ForCausalLM",), f) for f in hf_sweep.REPRESENTATIVE]
 
 
 @pytest.mark.parametrize("family", _families())
 def test_hf_families(rank0, family):
-    pytest.importorskip("transformers")
-    from bench import hf_sweep
     model = hf_sweep.build(family, "train")
     check_report_is_the_run(model, (hf_sweep.example_ids(),))
