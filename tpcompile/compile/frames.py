@@ -33,8 +33,9 @@ _EMPTY = {inspect.Parameter.VAR_POSITIONAL: (), inspect.Parameter.VAR_KEYWORD: {
 
 @dataclass(frozen=True)
 class CallLayout:
-    """How a module's calls reach its rewritten graph: parameter names in signature order,
-    the ones passed positionally, the ones passed by keyword."""
+    """How a module's calls reach its rewritten graph: the named positional parameters in
+    signature order, the ones passed positionally (``*name``: a ``*args`` of tensors), the ones
+    passed by keyword."""
 
     params: tuple[str, ...]
     positional: tuple[str, ...]
@@ -42,11 +43,13 @@ class CallLayout:
 
     def arrange(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of a call, laid out as at capture (a missing tensor is None: the
-        TPModule's input check names it)."""
+        TPModule's input check names it); ``*name`` stands for the extra positional ones."""
         values = dict(zip(self.params, args))
         values.update(kwargs)
-        return (tuple(values.get(n) for n in self.positional),
-                {n: values[n] for n in self.keyword if n in values})
+        out = []
+        for n in self.positional:
+            out.extend(args[len(self.params):] if n.startswith("*") else (values.get(n),))
+        return tuple(out), {n: values[n] for n in self.keyword if n in values}
 
 
 def frame_call():
@@ -132,29 +135,28 @@ def _laid_out(root: nn.Module, args: list, kwargs: dict) -> tuple[tuple, dict, C
     except TypeError as e:
         raise _refuse(root, f"arguments its signature does not take ({e})") from None
     params = list(signature.parameters.values())[1:]
-    positional, keyword, defaulted = [], [], False
+    positional, keyword, defaulted = {}, {}, False
     for p in params:
         v = bound.get(p.name, _EMPTY.get(p.kind, p.default))
         if p.kind is p.VAR_POSITIONAL:
+            if v and (defaulted or not all(isinstance(x, torch.Tensor) for x in v)):
+                raise _refuse(root, f"'*{p.name}' holding non-tensors or after a default")
             if v:
-                raise _refuse(root, f"'*{p.name}' (a variable number of positional arguments)")
+                positional[f"*{p.name}"] = v
         elif p.kind is p.VAR_KEYWORD:
             bad = [k for k, x in v.items() if not isinstance(x, torch.Tensor)]
             if bad:
                 raise _refuse(root, f"'{bad[0]}' = a {type(v[bad[0]]).__name__}")
-            keyword.extend(v)
+            keyword.update(v)
         elif isinstance(v, torch.Tensor):
-            (keyword if defaulted or p.kind is p.KEYWORD_ONLY else positional).append(p.name)
+            (keyword if defaulted or p.kind is p.KEYWORD_ONLY else positional)[p.name] = v
         elif p.default is p.empty or not _is_default(v, p.default):
             raise _refuse(root, f"'{p.name}' = a {type(v).__name__}")
         else:
             defaulted = True
-    values = {**{k: v for k, v in bound.items() if k in positional or k in keyword},
-              **bound.get(next((p.name for p in params if p.kind is p.VAR_KEYWORD), ""), {})}
-    layout = CallLayout(tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
-                                                                   p.POSITIONAL_OR_KEYWORD)),
-                        tuple(positional), tuple(keyword))
-    return tuple(values[n] for n in positional), {n: values[n] for n in keyword}, layout
+    named = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    args = [x for n, v in positional.items() for x in (v if n.startswith("*") else (v,))]
+    return tuple(args), keyword, CallLayout(named, tuple(positional), tuple(keyword))
 
 
 def _is_default(v, default) -> bool:
