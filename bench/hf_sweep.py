@@ -3,6 +3,7 @@
     nice -n 19 python -m bench.hf_sweep --numerics --jobs 2   # -> results/hf_sweep.md, .json
     python -m bench.hf_sweep --only LlamaForCausalLM GPT2LMHeadModel --numerics
     python -m bench.hf_sweep --representative --numerics   # the CI subset (REPRESENTATIVE)
+    python -m bench.hf_sweep --rejudge --jobs 2   # the same plans against a changed bound
 
 The families and their tiny configs: bench/hf_configs.py. Each family runs in its own
 subprocess with a timeout, so a hang or a crash is a row, not the end of the sweep. In it: the
@@ -153,6 +154,31 @@ def _one(name: str, out: str, numerics: bool) -> None:
     Path(out).write_text(json.dumps(row, default=str))
 
 
+# what a row's numerics depend on: the plan (its collectives, placements, bytes), not the bound
+PLAN_FIELDS = ("collectives", "param_bytes_max_rank", "param_bytes_total", "gathers", "fallbacks",
+               "kept_replicated", "per_layer", "outside_layers")
+
+
+def _rejudge(jobs: int) -> None:
+    """results/hf_sweep.json's families planned and judged again; each row keeps the numerics
+    of the run that wrote the file where every field they depend on (``PLAN_FIELDS``) is
+    unchanged, and loses them otherwise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = json.loads((RESULTS / "hf_sweep.json").read_text())
+    old = {r["family"]: r for r in data["rows"]}
+    rows = list(ThreadPoolExecutor(max_workers=jobs).map(
+        lambda name: run_one_subprocess(name, False) if name not in SKIP else old[name], old))
+    for row in rows:
+        was = old[row["family"]]
+        row["found_by"] = was.get("found_by", "?")
+        if "numerics" in was and all(row.get(k) == was.get(k) for k in PLAN_FIELDS):
+            row["numerics"], row["exact"] = was["numerics"], was.get("exact", False)
+    data = {**data, "rows": rows, "rejudged": time.strftime("%Y-%m-%d")}
+    (RESULTS / "hf_sweep.json").write_text(json.dumps(data, indent=1, default=str))
+    (RESULTS / "hf_sweep.md").write_text(report_markdown(rows, data, len(rows)))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", help="these families (class names)")
@@ -166,6 +192,10 @@ def main(argv=None) -> None:
                         help="families measured at once (each in its own subprocess)")
     parser.add_argument("--merge", action="store_true",
                         help="with --only: replace those rows in results/hf_sweep.json")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="plan every family of results/hf_sweep.json again, without "
+                             "numerics, keeping a row's numerics where its plan is unchanged "
+                             "(after a change to the bound or the verdict)")
     parser.add_argument("--report-only", action="store_true",
                         help="regenerate results/hf_sweep.md from results/hf_sweep.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -184,6 +214,8 @@ def main(argv=None) -> None:
 
     found = families()
     names = args.only or (list(REPRESENTATIVE) if args.representative else list(found))
+    if args.rejudge:
+        return _rejudge(args.jobs)
     rows = []
     from concurrent.futures import ThreadPoolExecutor
 

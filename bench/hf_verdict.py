@@ -6,14 +6,16 @@ the all-reduces Megatron pays forward and backward, the weights it splits (``who
 plan keeps whole), the weights it could not judge (``undecided``) and the parameter bytes per
 rank of its plan (``param_bytes_ideal``). Nothing here counts collectives of its own.
 
-*status*: ``at bound`` (per layer no more all-reduces than the bound, every layer paying at
-least one forward, nothing gathered, no fallback, no weight the bound splits kept whole, the
-largest rank within 1% of the ideal bytes), ``above bound`` (more all-reduces than the bound, or
-gathers), ``off bound`` (no more collectives, but weights left whole or bytes over the ideal),
-``bound undecided`` (at the bound for the weights it judged, some not judged), ``not sharded``
-(no collective at all). A post-LN layer's input-gradient all-reduce is counted in the layer
-before it, or outside the layers for the first (Electra, BERT): the bound is judged on suffix
-sums of layers and on the totals with the collectives outside the layers.
+*status*: ``at bound`` (per layer no more all-reduces than the bound and over the model
+exactly as many, every layer paying at least one forward, nothing gathered, no fallback, no
+weight the bound splits kept whole, the largest rank within 1% of the ideal bytes), ``below
+bound`` (all of that but fewer all-reduces than the bound: the bound misjudged the model, a
+row to fix in :mod:`tpcompile.inspect.bound`), ``above bound`` (more all-reduces than the
+bound, or gathers), ``off bound`` (no more collectives, but weights left whole or bytes over
+the ideal), ``bound undecided`` (at the bound for the weights it judged, some not judged),
+``not sharded`` (no collective at all). A post-LN layer's input-gradient all-reduce is
+counted in the layer before it, or outside the layers for the first (Electra, BERT): the bound
+is judged on suffix sums of layers and on the totals with the collectives outside the layers.
 """
 
 from __future__ import annotations
@@ -120,7 +122,10 @@ def classify(row) -> str:
               and len(layers) >= min(row.get("n_layers", LAYERS), LAYERS))
     if within and not row["fallbacks"] and not row["not_sharded"] \
             and row["over_ideal"] < OVER_IDEAL:
-        return "bound undecided" if row.get("undecided") else "at bound"
+        if row.get("undecided"):
+            return "bound undecided"
+        return "at bound" if _totals(row, "forward") == _totals(row, "bound_forward") and \
+            _totals(row, "backward") == _totals(row, "bound_backward") else "below bound"
     if not any(r["forward"] or r["backward"] for r in layers) and row["outside_layers"] == "-":
         return "not sharded"
     return "above bound" if _above(row) else "off bound"
@@ -140,6 +145,16 @@ def _backward_within_bound(layers) -> bool:
     return True
 
 
+def _totals(row, key: str) -> int:
+    """All-reduces over the layers and outside them (``key`` a plan count or a bound's: the
+    bound counts none outside the layers)."""
+    total = sum(r[key] for r in row["layers"])
+    if row["outside_layers"] != "-" and not key.startswith("bound"):
+        at = 0 if key == "forward" else 1
+        total += sum(int(part.split("/")[at]) for part in row["outside_layers"].split(", "))
+    return total
+
+
 def _outside_layers_within_bound(row) -> bool:
     """Whether the all-reduces outside the layers only moved there from a layer under its bound.
 
@@ -147,14 +162,7 @@ def _outside_layers_within_bound(row) -> bool:
     where that input is made, after the embeddings (outside every layer), so the first layer
     shows 2/1 and "outside" 0/1: the same count as Megatron's 2/2, attributed to the node in
     front of the layer. The totals over layers and outside must stay within the bound's."""
-    if row["outside_layers"] == "-":
-        return True
-    outside = [tuple(map(int, part.split("/"))) for part in row["outside_layers"].split(", ")]
-    layers = row["layers"]
-    return (sum(r["forward"] for r in layers) + sum(f for f, _ in outside)
-            <= sum(r["bound_forward"] for r in layers)) and \
-        (sum(r["backward"] for r in layers) + sum(b for _, b in outside)
-         <= sum(r["bound_backward"] for r in layers))
+    return all(_totals(row, k) <= _totals(row, f"bound_{k}") for k in ("forward", "backward"))
 
 
 def _above(row) -> bool:

@@ -118,9 +118,9 @@ def measure(name: str, world_size: int) -> dict:
         "derived_bound": _per_layer(layers, ("bound_forward", "bound_backward")),
         "kept_whole": sorted({_fold(w) for m in report.megatron for w in m.whole}),
         "outside_layers": _per_layer(outside, ("forward", "backward")) if outside else "-",
-        "at_megatron_bound": (not outside and bool(layers) and all(  # or below it (MLA)
-            m.forward <= expect.fwd_allreduce_per_layer
-            and m.backward <= expect.bwd_allreduce_per_layer for m in layers)
+        "at_megatron_bound": (not outside and bool(layers) and all(
+            (m.forward, m.backward) == (expect.fwd_allreduce_per_layer,
+                                        expect.bwd_allreduce_per_layer) for m in layers)
             and not any(c.op != "all_reduce" for c in report.collectives)),
         "not_as_expected": wrong,
         "gathers": dict(gathers), "fallbacks": dict(fallbacks),

@@ -124,3 +124,18 @@ def test_bound_agrees_with_transformers_tp_plan(family):
         assert style == want or (style == "whole" and "head(s)" in bound.reasons[w]), (
             w, style, want, bound.reasons.get(w))
     assert checked >= 2 * len(bound.blocks), (family, checked)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_explain_reports_the_derived_bound(name):
+    """``explain``'s bound columns are :func:`megatron_bound`'s, block by block, and outside
+    the blocks it pays nothing (not the plan's own counts there)."""
+    import tpcompile
+
+    model = models.build(name)
+    inputs = models.example_inputs(model)
+    bound = megatron_bound(captured(model, inputs), 2)
+    report = tpcompile.explain(model, inputs, 2)
+    rows = {m.layer: (m.bound_forward, m.bound_backward, m.bound_bytes) for m in report.megatron}
+    assert rows == {layer: (b.forward, b.backward, b.bytes) for layer, b in bound.blocks.items()}
+    assert bound.outside is None

@@ -19,20 +19,27 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   ``x_proj -> dt_proj``). Kept *whole*, each with its reason: a matmul whose output reaches
   ``topk`` (a router gate); a colwise matmul whose output reaches no rowwise one (its cut would
   have to be gathered); a colwise matmul whose output is viewed as fewer heads than ranks (KV
-  heads) or whose output features do not divide; every weight outside the repeated blocks. A
-  bias follows a colwise weight and stays whole with a rowwise one.
+  heads) or whose output features do not divide; every weight outside the repeated blocks
+  (embeddings, heads: Megatron's default layout), where the bound pays nothing (``outside``).
+  A model with no repeated blocks is judged as one block. A bias follows a colwise weight and
+  stays whole with a rowwise one.
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
-  ops (sums, a ``cat`` of them) before any other use (a MoE block's experts: one), of the summed
-  value's bytes; and one per statistic (a norm's mean) over a colwise matmul's whole output
-  features, or over all heads of attention's output when the matmul makes its value (BitNet's
-  norm before ``o_proj``).
-* Backward: one all-reduce per distinct activation entering the colwise matmuls, followed back
-  through views, index picks, splits, repeats and scalings to the value they copy (q, k and v:
-  one; every expert's picked tokens: one), of that value's bytes; one for the gradients of the
-  statistics that follow each such activation. Whole non-matmul weights read where features
-  are cut (a per-head q / k norm's weight) have partial gradients that ride in the sync of the
-  colwise input they are read after: bytes, not an all-reduce of their own. Whole matmuls (KV projections, routers) read
-  the block's activation: their gradients join its all-reduce.
+  ops (sums, scalings, a ``cat`` of them) before any other use (a MoE block's routed and
+  shared experts: one), of the bytes of the value where the sum leaves them; and one per
+  statistic (a norm's mean) over a colwise matmul's whole output features, or over all heads
+  of attention's output when the matmul makes its value (BitNet's norm before ``o_proj``).
+* Backward: one all-reduce per group of colwise inputs whose partial gradients can be summed
+  at one value (``reduce_points``): backward is linear in the gradient, so a partial gradient
+  is carried back through the whole computation its input is made of (views, picks, norms,
+  whole matmuls) until it must be whole, where it enters a rowwise partial sum or leaves the
+  block. q, k and v: one; a MoE block's routed and shared experts: one; MLA's q path and its
+  latent kv path, through the whole down projections: one; a parallel block's two norms of
+  one input: one. This is below Megatron-LM's count (one per column-parallel input) where
+  paths meet through whole weights, whose gradients then ride in the same all-reduce. Of the
+  bytes of the value they meet at; one more for the gradients of the statistics that follow
+  such a group's inputs. Whole non-matmul weights read where features are cut (a per-head
+  q / k norm's weight) have partial gradients that ride in the sync of the colwise input they
+  are read after: bytes, not an all-reduce of their own.
 * A colwise matmul whose output is cut (split, head slices, list indices; inside a piece also
   after channelwise ops, Mamba-2's depthwise conv1d) into pieces, some viewed as fewer heads
   than ranks (a fused qkv's one kv head under MQA, Mamba-2's one B / C group), keeps those
@@ -55,7 +62,7 @@ from torch import fx
 
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound_graph import (
-    Matmul, find_matmuls, reach_forward, root_of, value_bytes, whole_read,
+    Matmul, find_matmuls, reach_forward, reduce_points, value_bytes, value_users, whole_read,
 )
 from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import is_quantized_storage, weight_targets
@@ -83,13 +90,14 @@ class BlockBound:
 class Bound:
     styles: dict             # weight (get_attr target) -> colwise | rowwise | whole
     reasons: dict            # weight -> why Megatron keeps it whole (whole weights only)
-    blocks: dict             # layer -> BlockBound
+    blocks: dict             # repeated block (layer) -> BlockBound
     ideal_bytes: float       # parameter bytes per rank under Megatron's plan
     world_size: int = 1
     undecided: list = field(default_factory=list)  # weights not judged, each with the reason
     # colwise weights with a part Megatron keeps whole (a fused qkv's kv rows under MQA):
     # weight -> the fraction of its rows kept whole
     whole_rows: dict = field(default_factory=dict)
+    outside: BlockBound | None = None  # a model without repeated blocks, judged as one
 
     def split(self) -> list[str]:
         return sorted(w for w, s in self.styles.items() if s != "whole")
@@ -170,8 +178,15 @@ def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int, set]:
     for r in rows:  # union rows whose sums meet
         joined = [g for g in groups if any(reach[r] & reach[o] for o in g)]
         groups = [g for g in groups if g not in joined] + [{r}.union(*joined)]
-    return (len(groups), sum(max(value_bytes(n) for r in g for n in reach[r]) for g in groups),
+    return (len(groups), sum(_reduced_bytes(set().union(*(reach[r] for r in g))) for g in groups),
             set().union(*reach.values()))
+
+
+def _reduced_bytes(reach: set) -> int:
+    """The bytes of one all-reduce of a group's partial sums: its largest value where the sum
+    leaves ``reach`` (read by an op that does not keep it a sum, or by the next block)."""
+    ends = [n for n in reach if not n.users or any(u not in reach for u in value_users(n))]
+    return max(value_bytes(n) for n in ends or reach)
 
 
 def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
@@ -182,9 +197,9 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     all-reduce of their own only in a block with no colwise input to sync). A colwise weight
     with whole rows (``whole_rows``) adds one all-reduce of those rows' gradient."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
-    passing = {m.node for m in mms if role.get(m.node) == "whole" and m.up is not None}
     cols = [m for m in mms if role.get(m.node) == "colwise"]
-    roots = {root_of(m.activation, layer, passing) for m in cols if m.activation is not None}
+    syncs = _input_syncs(layer, cols, partial)
+    roots = set(syncs)
     stats = {s for m in cols for s in m.statistics}
     whole = whole_read(layer, cols, mms, trainable)
     sizes = {n: value_bytes(n) for n in roots | stats}
@@ -192,8 +207,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     fused = [m.node.meta["val"].dtype.itemsize * rows * m.in_features for m, rows in fused if rows]
     # statistics' gradients: one all-reduce per colwise input they follow (OLMo 2's q and k
     # norms together; BitNet's norms after attention and in the MLP one each)
-    stat_syncs = {root_of(m.activation, layer, passing) for m in cols
-                  if m.statistics and m.activation is not None}
+    stat_syncs = {r for r, group in syncs.items() if any(m.statistics for m in group)}
     return BlockBound(layer, forward + len(stats),
                       len(roots) + len(stat_syncs) + bool(whole and not roots) + len(fused),
                       forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
@@ -201,6 +215,26 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
                       tuple(sorted({w.target for w in whole})),
                       {"forward": tuple(sorted(n.name for n in partial | stats)),
                        "backward": tuple(sorted(n.name for n in roots | stats))})
+
+
+def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
+    """The backward all-reduces of the colwise matmuls' inputs: value -> the matmuls whose
+    input gradients it sums. Inputs that share a reduce point (:func:`reduce_points`) share
+    one all-reduce, at the nearest point they share (q, k and v at their norm's output; an MLA
+    block's q and kv paths, through their whole down factors, at the block's norm; a parallel
+    block's two norms at the block's input)."""
+    groups: list[tuple[list, list]] = []  # (matmuls, the points they all share)
+    for m in cols:
+        if m.activation is None:
+            continue
+        points = reduce_points(m.activation, layer, partial)
+        shared = next((g for g in groups if set(g[1]) & set(points)), None)
+        if shared is None:
+            groups.append(([m], points))
+        else:
+            shared[0].append(m)
+            shared[1][:] = [p for p in shared[1] if p in points]
+    return {points[0]: members for members, points in groups}
 
 
 def _undequantized(cap: Capture, found: list[Matmul]) -> list[str]:
@@ -225,12 +259,12 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
         by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
     styles, reasons, blocks, whole_part = {}, {}, {}, {}
     for layer, group in by_layer.items():
-        if not layer:
+        if not layer and len(by_layer) > 1:  # around the blocks: embeddings, heads
             for m in group:
                 for w in m.weights + m.biases:
                     styles[w], reasons[w] = "whole", "outside the repeated blocks"
             continue
-        role, why = _roles(group, world_size, layer)
+        role, why = _roles(group, world_size, layer)  # a model without blocks: one block
         for m in group:
             style = role[m.node]
             for w in m.weights:
@@ -247,7 +281,8 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
             for w in m.weights + m.biases if rows else ():
                 whole_part[w] = rows / m.out_features
     ideal = _ideal_bytes(cap, styles, whole_part, world_size)
-    return Bound(styles, reasons, blocks, ideal, world_size, undecided, whole_part)
+    return Bound(styles, reasons, blocks, ideal, world_size, undecided, whole_part,
+                 blocks.pop("", None))
 
 
 def _ideal_bytes(cap: Capture, styles: dict, whole_part: dict, world_size: int) -> float:

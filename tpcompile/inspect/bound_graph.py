@@ -4,8 +4,11 @@ Per matmul with a stored operand: its weights, its activation, its features, the
 reads from and feeds within its block (through any op but another matmul), whether it picks
 experts (a router), whether it is one factor of a low-rank pair, the heads its output is viewed
 as, and the statistics taken over all of its output features. And two walks the collective
-counts need: how far a partial sum stays a sum (``reach_forward``), and which value an
-activation copies (``root_of``). Nothing here looks at a plan.
+counts need: how far a partial sum stays a sum (``reach_forward``), and where the partial
+gradient of a column-parallel input may be summed (``reduce_points``). Nothing here looks at
+a plan; the op sets below are the oracle's own (which ops keep a sum a sum, cut a value into
+pieces, keep features apart, reduce over features), written apart from the rule table so that
+the bound does not inherit a rule's mistake.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+import networkx as nx
 import torch
 from torch import fx
 
@@ -24,7 +28,8 @@ from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["Matmul", "find_matmuls", "reach_forward", "root_of", "value_bytes", "whole_read"]
+__all__ = ["Matmul", "find_matmuls", "reach_forward", "reduce_points", "value_bytes",
+           "value_users", "whole_read"]
 
 aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
@@ -34,12 +39,6 @@ _SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.mul.Tensor, at
          aten.sum.dim_IntList}
 # ops that join partial sums into one (each expert's rows of a looped MoE's output): still a sum
 _JOINS = {aten.cat.default, aten.vstack.default, aten.hstack.default}
-# ops whose first input is the value they copy (picked, repeated, scaled, split into pieces:
-# a looped MoE's tokens per expert)
-_COPIES = {aten.index_select.default, aten.index.Tensor, aten.repeat.default,
-           aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default, aten.clone.default,
-           aten.expand.default, aten.split_with_sizes.default, aten.split.Tensor,
-           operator.getitem}
 # ops that cut a value into pieces (a split's pieces are its getitems)
 _SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default,
            aten.unbind.int}
@@ -47,6 +46,9 @@ _PIECES = {aten.slice.Tensor, aten.index.Tensor, aten.narrow.default, aten.selec
 # ops that keep each feature its own: activations and casts
 _UNARY = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
           aten.tanh.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
+# ops that only look at a value (export's dtype and device checks): no use of it
+_CHECKS = {aten._assert_tensor_metadata.default}
+_SINK = "sink"  # where reduce_points' paths end
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
                aten.linalg_vector_norm.default, aten.amax.default}
 
@@ -267,13 +269,29 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
             continue
         if m.out_features * low_rank <= m.in_features:
             up = next((by_node[d] for d in m.downstream if by_node[d].up_of is None
-                       and (by_node[d].in_features or m.out_features + 1) <= m.out_features),
-                      None)
+                       and (by_node[d].in_features or m.out_features + 1) <= m.out_features
+                       and _made_from(by_node[d].activation, m.node)), None)
             if up is not None:
                 m.up, up.up_of = up.node, m.node
     for m in mms:
         m.upstream = _through_down(m, by_node)
     return mms
+
+
+def _made_from(node: fx.Node | None, source: fx.Node) -> bool:
+    """``node`` is computed from ``source`` and stored tensors alone (a LoRA factor's output
+    scaled, MLA's latent through its norm): no other activation joins it, as the block's
+    residual stream does between a narrow output projection and the next block's matmuls."""
+    seen, todo, layer = set(), [node], _layer(source)
+    while todo:
+        n = todo.pop()
+        if n is None or n.op == "placeholder" or (n.op == "call_function" and _layer(n) != layer):
+            return False
+        if n is source or n in seen or stored_inputs(n) is not None:
+            continue
+        seen.add(n)  # values only: a view's symbolic sizes come from the inputs' shapes
+        todo.extend(a for a in n.all_input_nodes if _differentiable(a.meta.get("val")))
+    return True
 
 
 def _through_down(m: Matmul, by_node: dict) -> list[fx.Node]:
@@ -283,6 +301,12 @@ def _through_down(m: Matmul, by_node: dict) -> list[fx.Node]:
         down = by_node[n]
         out += _through_down(down, by_node) if down.up is not None else [n]
     return out
+
+
+def value_users(node: fx.Node) -> list[fx.Node]:
+    """The users that read ``node``'s values: not a fresh buffer shaped like it
+    (``new_zeros(n, ...)``), nor export's dtype and device checks."""
+    return [u for u in node.users if not any_placement(u) and u.target not in _CHECKS]
 
 
 def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
@@ -295,7 +319,7 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
         if n in reach:
             continue
         reach.add(n)
-        users = [u for u in n.users if not any_placement(u)]  # new_zeros(n, ...) reads a shape
+        users = value_users(n)
         if all(u.op == "call_function" and _layer(u) == layer
                and (u in carriers or u.target in _SUMS | _JOINS or is_view(u))
                for u in users):
@@ -303,19 +327,40 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
     return reach
 
 
-def root_of(node: fx.Node, layer: str, passing: set) -> fx.Node:
-    """The value ``node`` copies: followed back through views, picks, repeats and scalings by
-    computed values (a scaling by a stored tensor, a norm's gain, makes a new value), and
-    ``passing`` (whole down factors), within ``layer``."""
-    while node.op == "call_function" and _layer(node) == layer:
-        if node in passing:
-            node = next(a for a in node.all_input_nodes if stored_inputs(a) is None)
-        elif (is_view(node) or node.target in _COPIES) and isinstance(node.args[0], fx.Node) \
-                and not any(stored_inputs(a) is not None for a in node.all_input_nodes):
-            node = node.args[0]
-        else:
-            break
-    return node
+def reduce_points(node: fx.Node, layer: str, stop: set) -> list[fx.Node]:
+    """Where one all-reduce may sum the partial gradient that backward sends to ``node`` (a
+    colwise matmul's input), nearest first. Every backward op is linear in its output's
+    gradient, so a partial gradient can be carried back through the computed floating-point
+    values ``node`` is made from (a norm, a whole matmul, a pick), but it must be whole where
+    it reaches a sink: a value of ``stop`` (a rowwise partial sum, whose backward needs it
+    whole) or of another block (the block's input). The points are the values every path from
+    ``node`` to a sink passes through (its dominators), sinks included."""
+    graph, todo = nx.DiGraph(), [node]
+    graph.add_node(node)
+    while todo:
+        n = todo.pop()
+        if n in stop or n.op != "call_function" or _layer(n) != layer:
+            graph.add_edge(n, _SINK)
+            continue
+        for a in n.all_input_nodes:
+            if stored_inputs(a) is None and _differentiable(a.meta.get("val")):
+                if a not in graph:
+                    todo.append(a)
+                graph.add_edge(n, a)
+    if _SINK not in graph:  # made of stored tensors only: its gradient reaches no value
+        return [node]
+    idom, out, at = nx.immediate_dominators(graph, node), [], _SINK
+    while at is not node:
+        at = idom[at]
+        out.append(at)
+    return out[::-1]
+
+
+def _differentiable(val) -> bool:
+    """A floating-point value, or a tuple of them (a split's pieces)."""
+    if isinstance(val, (tuple, list)):
+        return any(_differentiable(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def whole_read(layer: str, cols: list[Matmul], mms: list[Matmul],

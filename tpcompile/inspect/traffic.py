@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from torch import fx
 
@@ -154,7 +155,9 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
                                            bound_backward=0, bound_bytes=0, forward=0,
                                            backward=0, bytes=0, whole=[], undecided=[]))
 
-    for layer, block in trace.bound.blocks.items():
+    out = trace.bound.outside  # a row of its own where the bound or the plan pays there
+    outside = [("", out)] if out is not None and (out.forward or out.backward) else []
+    for layer, block in [*trace.bound.blocks.items(), *outside]:
         row(layer).update(bound_forward=block.forward, bound_backward=block.backward,
                           bound_bytes=block.bytes)
     for chain in trace.chains:
@@ -170,18 +173,29 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
         r = row(c.layer)
         r[c.phase] += 1
         r["bytes"] += c.bytes or 0
-    if "" in rows:  # no bound outside the blocks: what runs there is what it costs
+    options = trace.plan.options
+    if "" in rows and (options.vocab_parallel or options.loss_parallel or options.sequence_parallel):
+        # the options' own collectives outside the blocks (the masked lookup's all-reduce, the
+        # sharded loss's, the sequence gathers) are not derived: they cost what they run
         rows[""].update(bound_forward=rows[""]["forward"], bound_backward=rows[""]["backward"],
                         bound_bytes=rows[""]["bytes"])
     return [LayerTraffic(**rows[k]) for k in sorted(rows, key=_layer_order)]
 
 
 def bound_verdict(rows: list[LayerTraffic]) -> str:
-    """'at the bound', or 'above the bound: ...' with the collectives paid beyond it and the
-    weights Megatron splits that the plan keeps whole; either followed by the weights the bound
-    could not judge, if any (the plan is at the bound only for the weights it judged)."""
+    """'at the bound' (as many collectives as the bound, layer by layer or moved to the layer
+    before), 'above the bound: ...' with the collectives paid beyond it and the weights Megatron
+    splits that the plan keeps whole, or 'below the bound: ...' (fewer than the bound: the bound
+    is wrong about the model); each followed by the weights the bound could not judge, if any
+    (the plan is at the bound only for the weights it judged)."""
     forward = sum(max(0, m.forward - m.bound_forward) for m in rows)
-    backward = sum(max(0, m.backward - m.bound_backward) for m in rows)
+    # a post-LN block all-reduces its input's gradient where the block before it (or, for the
+    # first, the code outside the blocks) makes that input: a count moves to an earlier block,
+    # so backward is judged on the suffixes of [outside, block 0, block 1, ...]
+    ordered = [m for m in rows if not m.layer] + [m for m in rows if m.layer]
+    backward = max(accumulate(m.backward - m.bound_backward for m in reversed(ordered)),
+                   default=0)
+    backward = max(backward, 0)
     whole = [w for m in rows for w in m.whole]
     over = []
     if forward or backward:
@@ -190,7 +204,12 @@ def bound_verdict(rows: list[LayerTraffic]) -> str:
         shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
         over.append(f"{len(whole)} weight tensor(s) Megatron splits kept whole ({shown})")
     extra = sum(m.bytes - m.bound_bytes for m in rows)
+    fewer = [(sum(getattr(m, f"bound_{k}") for m in rows) - sum(getattr(m, k) for m in rows), k)
+             for k in ("forward", "backward")]
+    fewer = ", ".join(f"{n} {k}" for n, k in fewer if n > 0)
     said = ("above the bound: " + "; ".join(over) if over
+            else f"below the bound: {fewer} collectives fewer than the bound derived from the "
+                 "model, which misjudged it" if fewer
             else "at the bound" + (f" ({extra:+,} bytes)" if extra else ""))
     undecided = [u for m in rows for u in m.undecided]
     if undecided:

@@ -131,15 +131,14 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
     ("rope_pair_stack", lambda: LM(attn=PairStackRoPE), BASELINE),
     # q and the low-rank kv cut by heads; wkv_a (the latent and the one rotated k head) whole,
-    # each rank slicing its heads of the expanded k_pe inside the cat at no cost. Megatron
+    # each rank slicing its heads of the expanded k_pe inside the cat at no cost. Megatron-LM
     # all-reduces the input gradient of each column-parallel linear: x's (wq) and the latent's
     # (wkv_b), backward 3; the latent's partial gradient can pass the norm and wkv_a (linear
-    # in it) into x's, so tpcompile pays 2
+    # in it) into x's, where wq's meets it (the whole weights' gradients ride along): 2
     ("mla_latent_rope_cat", lambda: LM(attn=LatentAttention),
      attention_expect(col=_in_layers("attn.wq.weight", "attn.wkv_b.weight"),
                       replicated=BASELINE.replicated + _in_layers("attn.wkv_a.weight",
-                                                                  "attn.kv_norm.weight"),
-                      bwd_allreduce_per_layer=3)),
+                                                                  "attn.kv_norm.weight"))),
     ("alibi", lambda: LM(attn=ALiBiAttention), BASELINE),
     ("fused_qkv_unbind", lambda: LM(attn=FusedQKV),
      attention_expect(col=_in_layers("attn.wqkv.weight"))),  # per q / k / v chunk
