@@ -25,19 +25,15 @@ from tpcompile.passes.planner.propagate import (
 )
 from tpcompile.passes.planner.quantized import dequantized_readers, undequantized_reason
 from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
+from tpcompile.passes.planner.reads import consumed
 from tpcompile.passes.planner.rules import (
     is_lookup, is_param_matmul, is_view, piece_of, shard_map, weight_out_first,
 )
 
-__all__ = ["consumed", "freeze", "pulled_back"]
+__all__ = ["ABSORB", "freeze", "pulled_back"]
 
 
-def consumed(state: Propagation, value: fx.Node, user: fx.Node):
-    """The placement ``user`` reads ``value`` in (after any conversion)."""
-    return state.conversions.get((value, user), state.placements.get(value))
-
-
-def _absorb_params(gm, state: Propagation) -> None:
+def absorb_params(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> None:
     """A weight every use wants sharded the same way is stored sharded; no slicing at use.
 
     A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) or elementwise ops
@@ -229,12 +225,17 @@ def _whole_dequantized(reader: fx.Node, state: Propagation, cut: list[str]) -> s
             "shard it reads (a rank's share would split a group), so it is sliced at its use")
 
 
-def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
-            needs_grad: set) -> ShardingPlan:
+# what freeze stores sharded before it reads the state, in order: each
+# ``name(gm, state, constraints)`` turns slices at use into parameters stored sharded
+ABSORB = (absorb_params, absorb_dequantized)
+
+
+def freeze(cap: Capture, state: Propagation, constraints: Constraints) -> ShardingPlan:
+    """The plan of a settled ``state``, after every step of :data:`ABSORB`."""
     gm = cap.gm
-    specs = state.specs
-    _absorb_params(gm, state)
-    absorb_dequantized(gm, state, constraints)
+    specs, ws, needs_grad = state.specs, state.specs.world_size, constraints.needs_grad
+    for absorb in ABSORB:
+        absorb(gm, state, constraints)
     dequantized_by = dequantized_readers(gm)
     whole = whole_roots(gm, state)
     syncs = grad_syncs(gm, state, needs_grad, whole)

@@ -52,6 +52,8 @@ class Constraints:
     # in-place cache write -> the shard its readers slice (fewer kv heads than ranks: each
     # rank stores the heads its query heads read)
     cache_cuts: dict[str, object] = field(default_factory=dict)
+    # values that may carry a gradient (grad_syncs.values_with_grad), set once by the planner
+    needs_grad: frozenset = frozenset()
     # placeholder name -> its placement (default Replicate). It exists for rule tests
     # (tests/unit/test_rule_soundness.py); a Shard's root is cut as RootSpec.build would.
     inputs: dict[str, object] = field(default_factory=dict)
@@ -118,7 +120,7 @@ class OpView:
 
     def sum_is_carried(self) -> bool:
         """The planner carries this sum partial: replicated operands enter as rank 0's share
-        (:mod:`tpcompile.passes.planner.carried_sums`)."""
+        (:mod:`tpcompile.passes.planner.refine.carried_sums`)."""
         return self.node.name in self.constraints.carried
 
     def reject(self, root: str, reason: str) -> None:

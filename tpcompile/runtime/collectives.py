@@ -135,7 +135,7 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def zero_summand(x: torch.Tensor, keep: bool) -> torch.Tensor:
     """Replicate -> Partial with no communication: ``x`` on the rank that ``keep``s it (rank
     0), zeros on the others, so the ranks' values sum to ``x``; the gradient passes through
-    whole on every rank (a carried sum: ``passes/planner/carried_sums.py``)."""
+    whole on every rank (a carried sum: ``passes/planner/refine/carried_sums.py``)."""
     return _ZeroSummand.apply(x, keep)
 
 

@@ -42,7 +42,7 @@ def _pointwise(linear):
 
 def _carried_sum(op, tensors):
     """A sum the planner carries partial (``Constraints.carried``, see
-    :mod:`tpcompile.passes.planner.carried_sums`): each replicated operand enters as rank 0's
+    :mod:`tpcompile.passes.planner.refine.carried_sums`): each replicated operand enters as rank 0's
     share (a ``summand`` conversion: zeros on the other ranks), partial ones as they are, so
     the output is one partial sum. A partial sum the planner reduces early for its other
     readers is read here as the partial sum it is, which needs no conversion at all. None

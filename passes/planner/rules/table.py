@@ -62,7 +62,7 @@ class Rule:
     - ``sums``: its output is the (signed, scaled) sum of its tensor operands and nothing else
       (``add``, ``sub``): a replicated operand may enter it as rank 0's share of a partial sum
       (zeros on the other ranks), so a sum of row-parallel outputs and a residual stays
-      partial and is reduced once (:mod:`tpcompile.passes.planner.carried_sums`).
+      partial and is reduced once (:mod:`tpcompile.passes.planner.refine.carried_sums`).
     """
     propagate: Callable
     localize: Callable | None = None
