@@ -66,6 +66,20 @@ def test_imports_go_down(name, path):
             assert theirs <= mine, f"{path.name}:{line}: {name} (layer {mine}) imports {target} (layer {theirs})"
 
 
+def test_no_private_name_is_imported_across_modules():
+    """A name with a leading underscore is its module's own: what another module needs is
+    public (in ``__all__`` where the module keeps one), so a module's API is what it exports."""
+    reach_ins = []
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (
+                    node.module or "").startswith("tpcompile")):
+                reach_ins += [f"{path.name}:{node.lineno} imports {a.name} from {node.module}"
+                              for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert reach_ins == []
+
+
 def test_few_modules_at_the_top():
     top = [p.name for p in Path(tpcompile.__file__).parent.glob("*.py")]
     assert len(top) <= 12, top

@@ -12,7 +12,7 @@ from torch import fx
 from tpcompile.core.placement import Replicate, Shard
 from tpcompile.passes.planner.freeze import pulled_back
 from tpcompile.passes.planner.mutations import written_args
-from tpcompile.passes.planner.propagate import Constraints, Propagation, _same, view_chain
+from tpcompile.passes.planner.propagate import Constraints, Propagation, same_placement, view_chain
 from tpcompile.passes.planner.refine.decision import Decision
 from tpcompile.passes.planner.rules import cache_behind
 
@@ -30,7 +30,7 @@ def cache_cuts(gm: fx.GraphModule, state: Propagation, constraints: Constraints)
             continue
         chain = view_chain(node)
         wanted = [state.conversions.get((chain[-1], u)) for u in chain[-1].users]
-        if wanted and all(isinstance(w, Shard) and _same(state.specs, wanted[0], w) for w in wanted):
+        if wanted and all(isinstance(w, Shard) and same_placement(state.specs, wanted[0], w) for w in wanted):
             placements = pulled_back(chain, wanted[0], state.specs)
             if placements is not None:
                 out[node.name] = placements[0]
