@@ -10,7 +10,8 @@ What it writes, each between its ``<!-- NAME:start -->`` / ``<!-- NAME:end -->``
 - docs/design.md ``pipeline``: the same steps as a block; ``planner``: what ``plan_sharding``
   does in order (propagate, each stage of ``refine.REFINEMENTS``, freeze with its ``ABSORB``
   steps, then ``refine.FINISH``); and ``layout``: every module of the package, in the order of
-  :data:`LAYERS` (tests/unit/test_layers.py checks that imports go down these layers).
+  the layers ``tpcompile/layers.py`` declares (tests/unit/test_layers.py checks that imports
+  go down them).
 
 A step's, a refinement's or a module's summary is the first sentence of its module's docstring,
 so a pass is described where it is written (each pass and each refinement is a file named after
@@ -27,25 +28,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tpcompile.layers import LAYERS
+
 ROOT = Path(__file__).resolve().parents[1]
-# the package's layers, bottom to top: every import inside tpcompile goes down or stays in its
-# layer (tests/unit/test_layers.py reads them from here, through layer_modules)
-LAYERS = [["tpcompile/errors.py", "tpcompile/compat.py"], ["tpcompile/core"], ["tpcompile/runtime"],
-          ["passes/planner"], ["passes/prepare", "passes/rewrite"],
-          ["passes/pipeline.py", "passes/__init__.py"], ["tpcompile/api.py"],
-          ["tpcompile/compile", "tpcompile/inspect", "tpcompile/state"], ["tpcompile/tools"]]
 # the layout block's parts: the package root (it re-exports every layer), then the layers
 LAYOUT = ["tpcompile/__init__.py"] + [part for layer in LAYERS for part in layer
                                       if part != "passes/__init__.py"]
 WIDTH, COLUMN = 100, 30
-
-
-def layer_modules() -> list[set[str]]:
-    """:data:`LAYERS` as importable module names (``passes/`` installs as tpcompile.passes)."""
-    def module(part: str) -> str:
-        name = part.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        return "tpcompile." + name if name.startswith("passes") else name
-    return [{module(part) for part in layer} for layer in LAYERS]
 
 
 def summary(path: Path) -> str:
