@@ -28,7 +28,7 @@ class TPModule(nn.Module):
     """A tensor-parallel module: this rank's shards plus the graph that uses them."""
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group,
-                 check_calls: str = "new"):
+                 check_calls: str = "new", checkpointed_regions: tuple[str, ...] = ()):
         super().__init__()
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -41,6 +41,8 @@ class TPModule(nn.Module):
         gm._parameters, gm._buffers = self._parameters, self._buffers
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
+        # the names of the regions recomputed in backward (activation_checkpointing)
+        self.checkpointed_regions = checkpointed_regions
         object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
         # ranks agree on each new call before the graph's collectives (a collective itself:
         # every rank of the group constructs its TPModule at the same point, in parallelize)
