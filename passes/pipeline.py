@@ -245,9 +245,10 @@ def _plan_until_settled(cap: Capture, world_size: int, options: PlanOptions,
             break
         sharding, no_rule = plan_sharding(cap, world_size, options)
     merged = []
-    for each in zip(*rounds):  # one pass's records, round by round
+    for each in zip(*rounds):  # one pass's records, round by round; facts: each round's
         merged.append(PassRecord(each[0].name, sum(r.seconds for r in each), each[0].before,
-                                 each[-1].after, any(r.changed for r in each)))
+                                 each[-1].after, any(r.changed for r in each),
+                                 tuple(r.facts for r in each)))
     return sharding, merged
 
 
