@@ -142,11 +142,12 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                                      reuse_blocks)
     kept, dropped = _checkpoint_regions(gm, activation_checkpointing)
     unapplied = unapplied_checkpointing(activation_checkpointing, kept, dropped)
-    tp = TPModule(gm, announce(planned.plan, unapplied), rank, group, check_calls,
-                  checkpointed_regions=tuple(kept))
-    if written_buffers(gm) or callable(getattr(model, "generate", None)):
-        _keep_skeleton(tp, model, tp.plan)
-    return tp
+    plan = announce(planned.plan, unapplied)
+    skeleton = (_skeleton(model, plan, rank, group)
+                if written_buffers(gm) or callable(getattr(model, "generate", None)) else None)
+    return TPModule(gm, plan, rank, group, check_calls, checkpointed_regions=tuple(kept),
+                    skeleton_capture=skeleton,  # other call signatures (decode) captured anew
+                    capture_signature=skeleton if written_buffers(gm) else None)
 
 
 def _agreed_rank_graph(model: nn.Module, example_inputs, example_kwargs, group,
@@ -163,20 +164,18 @@ def _agreed_rank_graph(model: nn.Module, example_inputs, example_kwargs, group,
     return planned, gm
 
 
-def _keep_skeleton(tp: TPModule, model: nn.Module, plan) -> None:
-    """Give ``tp`` a :class:`SignatureCapture` of ``model``: a static KV cache (prefill and
-    decode calls are two captures), or a Hugging Face model whose ``generate()`` captures a
-    static-cache wrapper around it. Training works without it, so a model it cannot copy
-    gets a warning saying what is lost."""
+def _skeleton(model: nn.Module, plan, rank: int, group) -> SignatureCapture | None:
+    """A :class:`SignatureCapture` of ``model`` for its :class:`TPModule`: a static KV cache
+    (prefill and decode calls are two captures), or a Hugging Face model whose ``generate()``
+    captures a static-cache wrapper around it. Training works without it, so a model it
+    cannot copy gets a warning saying what is lost, and None."""
     try:
-        tp.skeleton_capture = SignatureCapture(model, plan, tp.rank, tp.group.group_name)
+        return SignatureCapture(model, plan, rank, group.group_name)
     except Exception as e:  # noqa: BLE001 - said in the warning
         warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
                       f"({type(e).__name__}: {e}); the module runs the captured call "
                       "signature only (no decode captures, no generate)", stacklevel=3)
-    else:
-        if written_buffers(tp.graph_module):  # other call signatures (decode) captured anew
-            tp.capture_signature = tp.skeleton_capture
+        return None
 
 
 def _checkpoint_regions(gm, mode: str | None) -> tuple[list, list]:

@@ -28,7 +28,8 @@ class TPModule(nn.Module):
     """A tensor-parallel module: this rank's shards plus the graph that uses them."""
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group,
-                 check_calls: str = "new", checkpointed_regions: tuple[str, ...] = ()):
+                 check_calls: str = "new", checkpointed_regions: tuple[str, ...] = (),
+                 skeleton_capture=None, capture_signature=None):
         super().__init__()
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -48,11 +49,11 @@ class TPModule(nn.Module):
         # every rank of the group constructs its TPModule at the same point, in parallelize)
         object.__setattr__(self, "call_check", CallCheck(group, check_calls))
         # further (input spec, graph) pairs, one per call signature (see runtime.signatures);
-        # capture_signature(args, kwargs) -> (a rewritten graph, its plan), set by parallelize
+        # capture_signature(args, kwargs) -> (a rewritten graph, its plan), given by parallelize
         object.__setattr__(self, "signatures", [])
-        object.__setattr__(self, "capture_signature", None)
+        object.__setattr__(self, "capture_signature", capture_signature)
         # the same, on a meta copy of the model, for generate()'s static-cache wrapper
-        object.__setattr__(self, "skeleton_capture", None)
+        object.__setattr__(self, "skeleton_capture", skeleton_capture)
         # torch.compile arguments for generate()'s decode steps (compile_generation)
         object.__setattr__(self, "generation_compile", None)
         # what a compiled call runs: identical blocks outlined into one nested compile region,
