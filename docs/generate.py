@@ -7,12 +7,15 @@ What it writes, each between its ``<!-- NAME:start -->`` / ``<!-- NAME:end -->``
 
 - README.md ``pipeline``: the "How it works" table, one row per step of
   ``tpcompile.passes.pipeline.steps()`` in the order they run.
-- docs/design.md ``pipeline``: the same steps as a block, and ``layout``: every module of the
-  package, in the order of :data:`LAYERS` (tests/unit/test_layers.py checks that imports go
-  down these layers).
+- docs/design.md ``pipeline``: the same steps as a block; ``planner``: what ``plan_sharding``
+  does in order (propagate, each stage of ``refine.REFINEMENTS``, freeze with its ``ABSORB``
+  steps, then ``refine.FINISH``); and ``layout``: every module of the package, in the order of
+  the layers ``tpcompile/layers.py`` declares (tests/unit/test_layers.py checks that imports
+  go down them).
 
-A step's or a module's summary is the first sentence of its module's docstring, so a pass is
-described where it is written (each pass is a file named after it).
+A step's, a refinement's or a module's summary is the first sentence of its module's docstring,
+so a pass is described where it is written (each pass and each refinement is a file named after
+it); a step of freeze or of ``FINISH`` is summed up by its function's docstring.
 tests/unit/test_generated_docs.py fails when a file is stale.
 """
 
@@ -25,35 +28,48 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tpcompile.layers import LAYERS
+
 ROOT = Path(__file__).resolve().parents[1]
-# the package's layers, bottom to top: every import inside tpcompile goes down or stays in its
-# layer (tests/unit/test_layers.py reads them from here, through layer_modules)
-LAYERS = [["tpcompile/errors.py", "tpcompile/compat.py"], ["tpcompile/core"], ["tpcompile/runtime"],
-          ["passes/planner"], ["passes/prepare", "passes/rewrite"],
-          ["passes/pipeline.py", "passes/__init__.py"], ["tpcompile/api.py"],
-          ["tpcompile/compile", "tpcompile/inspect", "tpcompile/state"], ["tpcompile/tools"]]
 # the layout block's parts: the package root (it re-exports every layer), then the layers
 LAYOUT = ["tpcompile/__init__.py"] + [part for layer in LAYERS for part in layer
                                       if part != "passes/__init__.py"]
 WIDTH, COLUMN = 100, 30
 
 
-def layer_modules() -> list[set[str]]:
-    """:data:`LAYERS` as importable module names (``passes/`` installs as tpcompile.passes)."""
-    def module(part: str) -> str:
-        name = part.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        return "tpcompile." + name if name.startswith("passes") else name
-    return [{module(part) for part in layer} for layer in LAYERS]
-
-
 def summary(path: Path) -> str:
     """The first sentence of a module's docstring (of a package's ``__init__.py``), as Markdown."""
     if path.is_dir():
         path = path / "__init__.py"
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return first_sentence(ast.get_docstring(ast.parse(path.read_text())) or "")
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, as Markdown."""
     paragraph = " ".join(doc.split("\n\n")[0].split())
     sentence = re.split(r"(?<=[.!?])\s", paragraph, maxsplit=1)[0]
     return re.sub(r":\w+:`~?([^`]+)`", r"`\1`", sentence.replace("``", "`"))
+
+
+def _file(fn) -> str:
+    return str(Path(inspect.getsourcefile(inspect.unwrap(fn))).resolve().relative_to(ROOT))
+
+
+def planner_block() -> str:
+    """``plan_sharding``'s steps in order: what each refinement stage and finishing step does."""
+    from tpcompile.passes.planner import freeze, propagate, refine
+
+    lines = _entry("propagate", f"{summary(ROOT / _file(propagate.propagate))} "
+                                f"({_file(propagate.propagate)})")
+    for i, (stage, fns) in enumerate(refine.REFINEMENTS, 1):
+        for fn in fns:
+            lines += _entry(f"{i} {stage}: {fn.__name__}", f"{summary(ROOT / _file(fn))} ({_file(fn)})")
+    steps = [("freeze", fn) for fn in freeze.ABSORB] + [("freeze", freeze.freeze)] + [
+        ("finish", fn) for fn in refine.FINISH]
+    for phase, fn in steps:
+        lines += _entry(f"{phase}: {fn.__name__}",
+                        f"{first_sentence(inspect.getdoc(fn) or '')} ({_file(fn)})")
+    return "```\n" + "\n".join(lines) + "\n```"
 
 
 def step_rows() -> list[tuple[str, str, str]]:
@@ -121,7 +137,8 @@ def layout_block() -> str:
 def generated() -> dict[str, dict[str, str]]:
     """file -> marker name -> the text between its markers."""
     return {"README.md": {"pipeline": readme_table()},
-            "docs/design.md": {"pipeline": pipeline_block(), "layout": layout_block()}}
+            "docs/design.md": {"pipeline": pipeline_block(), "planner": planner_block(),
+                               "layout": layout_block()}}
 
 
 def rendered(text: str, blocks: dict[str, str]) -> str:

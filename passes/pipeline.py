@@ -71,7 +71,8 @@ __all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "
            "OUTLINE_PASSES", "plan", "rewrite", "rewrite_passes", "outline", "run_passes",
            "older_objects_frozen", "steps"]
 
-Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult]]
+# a pass returns its graph, a PassResult, or a PassResult and what it found (the record's facts)
+Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult | tuple[PassResult, object]]]
 
 
 # graph -> graph, before the planner: the planner sees the ops of autocast regions, no dead
@@ -118,6 +119,7 @@ class PassRecord:
     before: str = field(repr=False, default="")
     after: str = field(repr=False, default="")
     changed: bool = True
+    facts: object = field(repr=False, default=None)  # what the pass returned beside its graph
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,10 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
         before = snapshot(gm)
         start = time.perf_counter()
         try:
-            out, changed = fn(gm), True
-            if isinstance(out, PassResult):
+            out, changed, facts = fn(gm), True, None
+            if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], PassResult):
+                (out, changed), facts = out
+            elif isinstance(out, PassResult):
                 out, changed = out
             assert isinstance(out, fx.GraphModule), f"pass returned {type(out).__name__}"
             out.graph.lint()
@@ -185,7 +189,8 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
                 "  hint: this is a tpcompile bug; please report it with `tpcompile explain` "
                 "output for your model") from e
         gm = out
-        records.append(PassRecord(name, time.perf_counter() - start, before, snapshot(gm), changed))
+        records.append(PassRecord(name, time.perf_counter() - start, before, snapshot(gm), changed,
+                                  facts))
     return gm, records
 
 
@@ -240,9 +245,10 @@ def _plan_until_settled(cap: Capture, world_size: int, options: PlanOptions,
             break
         sharding, no_rule = plan_sharding(cap, world_size, options)
     merged = []
-    for each in zip(*rounds):  # one pass's records, round by round
+    for each in zip(*rounds):  # one pass's records, round by round; facts: each round's
         merged.append(PassRecord(each[0].name, sum(r.seconds for r in each), each[0].before,
-                                 each[-1].after, any(r.changed for r in each)))
+                                 each[-1].after, any(r.changed for r in each),
+                                 tuple(r.facts for r in each)))
     return sharding, merged
 
 
@@ -322,5 +328,6 @@ def rewrite(planned: Planned, rank: int, group_name: str, *,
 def outline(gm: fx.GraphModule,
             checkpointing: str | None) -> tuple[fx.GraphModule, list[PassRecord]]:
     """:data:`OUTLINE_PASSES` on a rank's rewritten graph (in place); ``checkpointing`` is
-    ``parallelize``'s ``activation_checkpointing``."""
+    ``parallelize``'s ``activation_checkpointing``. The ``checkpoint_regions`` record's
+    ``facts`` are the regions it checkpointed and those it left inline, with why."""
     return run_passes(gm, _bound(OUTLINE_PASSES, {"checkpointing": checkpointing}))

@@ -25,7 +25,7 @@ from tpcompile.core.subclass_weights import meta_like
 from tpcompile.errors import MeshError, PlanError
 from tpcompile.passes import pipeline
 from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
-from tpcompile.passes.rewrite.checkpoint_regions import MODES, OUTLINED
+from tpcompile.passes.rewrite.checkpoint_regions import MODES
 from tpcompile.runtime.agreement import agreement, collective_entries, plan_entries, value_entries
 from tpcompile.runtime.calls import check_mode, describe
 from tpcompile.runtime.module import TPModule
@@ -140,13 +140,14 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                           sequence_parallel=sequence_parallel, experts=experts)
     planned, gm = _agreed_rank_graph(model, example_inputs, example_kwargs, group, options,
                                      reuse_blocks)
-    kept = _checkpoint_regions(gm, activation_checkpointing)
-    unapplied = unapplied_checkpointing(activation_checkpointing, *gm.meta[OUTLINED])
-    tp = TPModule(gm, announce(planned.plan, unapplied), rank, group, check_calls)
-    tp.checkpointed_regions = kept  # the names of the regions recomputed in backward
-    if written_buffers(gm) or callable(getattr(model, "generate", None)):
-        _keep_skeleton(tp, model, tp.plan)
-    return tp
+    kept, dropped = _checkpoint_regions(gm, activation_checkpointing)
+    unapplied = unapplied_checkpointing(activation_checkpointing, kept, dropped)
+    plan = announce(planned.plan, unapplied)
+    skeleton = (_skeleton(model, plan, rank, group)
+                if written_buffers(gm) or callable(getattr(model, "generate", None)) else None)
+    return TPModule(gm, plan, rank, group, check_calls, checkpointed_regions=tuple(kept),
+                    skeleton_capture=skeleton,  # other call signatures (decode) captured anew
+                    capture_signature=skeleton if written_buffers(gm) else None)
 
 
 def _agreed_rank_graph(model: nn.Module, example_inputs, example_kwargs, group,
@@ -163,33 +164,32 @@ def _agreed_rank_graph(model: nn.Module, example_inputs, example_kwargs, group,
     return planned, gm
 
 
-def _keep_skeleton(tp: TPModule, model: nn.Module, plan) -> None:
-    """Give ``tp`` a :class:`SignatureCapture` of ``model``: a static KV cache (prefill and
-    decode calls are two captures), or a Hugging Face model whose ``generate()`` captures a
-    static-cache wrapper around it. Training works without it, so a model it cannot copy
-    gets a warning saying what is lost."""
+def _skeleton(model: nn.Module, plan, rank: int, group) -> SignatureCapture | None:
+    """A :class:`SignatureCapture` of ``model`` for its :class:`TPModule`: a static KV cache
+    (prefill and decode calls are two captures), or a Hugging Face model whose ``generate()``
+    captures a static-cache wrapper around it. Training works without it, so a model it
+    cannot copy gets a warning saying what is lost, and None."""
     try:
-        tp.skeleton_capture = SignatureCapture(model, plan, tp.rank, tp.group.group_name)
+        return SignatureCapture(model, plan, rank, group.group_name)
     except Exception as e:  # noqa: BLE001 - said in the warning
         warnings.warn(f"tpcompile: cannot keep a meta copy of {type(model).__name__} "
                       f"({type(e).__name__}: {e}); the module runs the captured call "
                       "signature only (no decode captures, no generate)", stacklevel=3)
-    else:
-        if written_buffers(tp.graph_module):  # other call signatures (decode) captured anew
-            tp.capture_signature = tp.skeleton_capture
+        return None
 
 
-def _checkpoint_regions(gm, mode: str | None) -> list[str]:
+def _checkpoint_regions(gm, mode: str | None) -> tuple[list, list]:
     """Run the graph's checkpointed regions through torch.utils.checkpoint (the pipeline's
-    outline passes, in place; returns their names); warn for each region that stays inline
-    (its activations are saved). A mode that finds no repeated block is said by the caller,
-    with the other options that did nothing (``unapplied_checkpointing``)."""
-    pipeline.outline(gm, mode)
-    kept, dropped = gm.meta[OUTLINED]
+    outline passes, in place; returns the names of the regions kept and the ``(name, why)``
+    of those dropped); warn for each region that stays inline (its activations are saved). A
+    mode that finds no repeated block is said by the caller, with the other options that did
+    nothing (``unapplied_checkpointing``)."""
+    _, records = pipeline.outline(gm, mode)
+    kept, dropped = next(r.facts for r in records if r.name == "checkpoint_regions")
     for name, reason in dropped:
         warnings.warn(f"tpcompile: {name} is not checkpointed in the parallelized model: "
                       f"{reason}; its activations are saved for backward", stacklevel=3)
-    return kept
+    return kept, dropped
 
 
 class SignatureCapture:

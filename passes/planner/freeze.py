@@ -21,23 +21,19 @@ from tpcompile.passes.planner.dims import shape, sub_layout, val
 from tpcompile.passes.planner.experts import expert_placements
 from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole_roots
 from tpcompile.passes.planner.propagate import (
-    Constraints, Propagation, _same, carrier_chain, view_chain,
+    Constraints, Propagation, same_placement, carrier_chain, view_chain,
 )
 from tpcompile.passes.planner.quantized import dequantized_readers, undequantized_reason
 from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
+from tpcompile.passes.planner.reads import consumed
 from tpcompile.passes.planner.rules import (
     is_lookup, is_param_matmul, is_view, piece_of, shard_map, weight_out_first,
 )
 
-__all__ = ["consumed", "freeze", "pulled_back"]
+__all__ = ["ABSORB", "freeze", "pulled_back"]
 
 
-def consumed(state: Propagation, value: fx.Node, user: fx.Node):
-    """The placement ``user`` reads ``value`` in (after any conversion)."""
-    return state.conversions.get((value, user), state.placements.get(value))
-
-
-def _absorb_params(gm, state: Propagation) -> None:
+def absorb_params(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> None:
     """A weight every use wants sharded the same way is stored sharded; no slicing at use.
 
     A weight used through views (``w.t()``, ``w.T``, ``w.view(...)``) or elementwise ops
@@ -58,7 +54,7 @@ def _absorb_params(gm, state: Propagation) -> None:
         if not pulled or any(p is None for p in pulled):
             continue
         first = pulled[0][1][0]
-        if not all(p[1][0].dim == first.dim and _same(specs, p[1][0], first) for p in pulled):
+        if not all(p[1][0].dim == first.dim and same_placement(specs, p[1][0], first) for p in pulled):
             continue
         for chain, placements in pulled:
             for n, p in zip(chain[1:], placements[1:]):
@@ -91,7 +87,7 @@ def _pulled_chain(state: Propagation, chain: list[fx.Node]):
     wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
     first = wanted[0] if wanted else None  # none: only export's metadata checks read it
     if not (isinstance(first, Shard) and all(
-            isinstance(w, Shard) and _same(state.specs, first, w) for w in wanted)):
+            isinstance(w, Shard) and same_placement(state.specs, first, w) for w in wanted)):
         return None
     placements = pulled_back(chain, first, state.specs)
     return None if placements is None else (chain, placements)
@@ -112,7 +108,7 @@ def _absorb_pieces(param: fx.Node, state: Propagation) -> bool:
         where = piece_of(piece)
         want = [state.conversions.get((piece, u)) for u in piece.users if val(u) is not None]
         if where is None or where[0] is not param or not want or not all(
-                isinstance(w, Shard) and _same(specs, want[0], w) for w in want):
+                isinstance(w, Shard) and same_placement(specs, want[0], w) for w in want):
             return False
         wanted[piece] = (where, want[0])
     (_, dim, _, _), first = next(iter(wanted.values()))
@@ -148,7 +144,7 @@ def pulled_back(chain: list[fx.Node], wanted: Shard, specs: Specs) -> list | Non
                 break
             placements.append(mapped)
         if (len(placements) == len(chain) and _cuttable(specs, placements)
-                and _same(specs, placements[-1], wanted)):
+                and same_placement(specs, placements[-1], wanted)):
             return placements
     return None
 
@@ -229,12 +225,17 @@ def _whole_dequantized(reader: fx.Node, state: Propagation, cut: list[str]) -> s
             "shard it reads (a rank's share would split a group), so it is sliced at its use")
 
 
-def freeze(cap: Capture, state: Propagation, constraints: Constraints, ws: int,
-            needs_grad: set) -> ShardingPlan:
+# what freeze stores sharded before it reads the state, in order: each
+# ``name(gm, state, constraints)`` turns slices at use into parameters stored sharded
+ABSORB = (absorb_params, absorb_dequantized)
+
+
+def freeze(cap: Capture, state: Propagation, constraints: Constraints) -> ShardingPlan:
+    """The plan of a settled ``state``, after every step of :data:`ABSORB`."""
     gm = cap.gm
-    specs = state.specs
-    _absorb_params(gm, state)
-    absorb_dequantized(gm, state, constraints)
+    specs, ws, needs_grad = state.specs, state.specs.world_size, constraints.needs_grad
+    for absorb in ABSORB:
+        absorb(gm, state, constraints)
     dequantized_by = dequantized_readers(gm)
     whole = whole_roots(gm, state)
     syncs = grad_syncs(gm, state, needs_grad, whole)

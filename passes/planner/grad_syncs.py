@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from tpcompile.core.capture import origin
 from tpcompile.core.placement import Replicate, Shard, each
 from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.propagate import Propagation
 from tpcompile.passes.planner.rules import FRESH_BUFFERS
 
-__all__ = ["values_with_grad", "grad_syncs", "whole_grads_into_chunks", "partial_grads", "is_distributed",
-           "whole_roots"]
+__all__ = ["values_with_grad", "grad_syncs", "copies_of_whole_chunks", "whole_shard",
+           "partial_grads", "is_distributed", "whole_roots"]
 
 
 def _floating(v) -> bool:
@@ -100,7 +99,7 @@ def grad_syncs(gm, state: Propagation, needs_grad: set,
     routing weights) become one.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    copies = _copies_of_whole_chunks(gm, state, needs_grad, whole)
+    copies = copies_of_whole_chunks(gm, state, needs_grad, whole)
     partial: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node in needs_grad and _replicated(state, node, whole) and node not in copies:
@@ -149,7 +148,7 @@ def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: se
     return carriers[0]
 
 
-def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
+def copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
                             whole: frozenset[str]) -> dict[fx.Node, bool]:
     """Replicated values computed, with no conversion, from a chunk kept whole on every rank
     (``require_whole``) or from such values -> whether every gradient they receive is partial.
@@ -158,13 +157,13 @@ def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
     region's own gradient sync (at its column-parallel root's input) adds up. A value computed
     from it (Mamba-2's ``C . B``) is the same while every consumer differentiates it partially;
     one that something differentiates whole on every rank would be summed ``world_size`` times
-    (:func:`whole_grads_into_chunks` keeps such regions replicated).
+    (the refinement ``whole_grads_into_chunks`` keeps such regions replicated).
     """
     copies: dict[fx.Node, bool] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(state.placements.get(node), Replicate):
             continue
-        if any((a, node) not in state.conversions and (a in copies or _whole_shard(state, a, whole))
+        if any((a, node) not in state.conversions and (a in copies or whole_shard(state, a, whole))
                for a in node.all_input_nodes):
             copies[node] = False
     for node in reversed(list(copies)):
@@ -173,32 +172,7 @@ def _copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
     return copies
 
 
-def whole_grads_into_chunks(gm, state: Propagation, needs_grad: set,
-                            whole: frozenset[str]) -> dict[str, str]:
-    """Roots of whole chunks a replicated value computed from them hands a gradient that is
-    whole on every rank (read by replicated code that differentiates it): root -> why.
-    ``whole``: :func:`whole_roots` of ``state``."""
-    out = {}
-    copies = _copies_of_whole_chunks(gm, state, needs_grad, whole)
-    for node, partial in copies.items():
-        if partial or node not in needs_grad:
-            continue
-        todo, seen = [node], set()
-        while todo:
-            n = todo.pop()
-            for a in n.all_input_nodes:
-                if a in copies and a not in seen:
-                    seen.add(a)
-                    todo.append(a)
-                elif _whole_shard(state, a, whole):
-                    out.setdefault(state.placements[a].layout.root, (
-                        f"{node.name} ({origin(node)}) is computed from a chunk kept whole and "
-                        "differentiated whole on every rank: the region's gradient sync would "
-                        "count its gradient once per rank"))
-    return out
-
-
-def _whole_shard(state: Propagation, node: fx.Node, whole: frozenset[str]) -> bool:
+def whole_shard(state: Propagation, node: fx.Node, whole: frozenset[str]) -> bool:
     """A whole chunk of a root that is cut elsewhere (a value of a whole root is replicated)."""
     p = state.placements.get(node)
     return isinstance(p, Shard) and state.specs.is_full(p.layout) and p.layout.root not in whole

@@ -41,10 +41,11 @@ from tpcompile.passes.planner.rules import is_grouped_matmul, shard_map, viewed_
 __all__ = ["whole_grouped_experts"]
 
 
-def whole_grouped_experts(gm: fx.GraphModule, plan: ShardingPlan, placed: dict) -> ShardingPlan:
-    """``plan`` with every grouped-matmul chain whose experts were asked whole (``placed``:
-    weight -> (mode, why), the planner's records) cut by experts, or left tensor parallel
-    with the reason."""
+def whole_grouped_experts(gm: fx.GraphModule, state, plan: ShardingPlan) -> ShardingPlan:
+    """``plan`` with every grouped-matmul chain whose experts were asked whole
+    (``state.experts``: weight -> (mode, why), propagation's records) cut by experts, or left
+    tensor parallel with the reason."""
+    placed = state.experts
     chains = _grouped_chains(gm, plan)
     asked = {root: nodes for root, nodes in chains.items()
              if placed.get(root, ("",))[0] == "rows"}

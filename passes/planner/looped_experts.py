@@ -43,7 +43,7 @@ __all__ = ["whole_looped_experts"]
 _EXPERT = re.compile(r"^(?P<container>.+)\.(?P<index>\d+)$")
 
 
-def whole_looped_experts(gm: fx.GraphModule, plan: ShardingPlan) -> ShardingPlan:
+def whole_looped_experts(gm: fx.GraphModule, state, plan: ShardingPlan) -> ShardingPlan:
     """``plan`` with the looped experts of every block handed whole to ranks when
     ``plan.options.experts`` asks (and, for ``"auto"``, the cost model agrees), or left tensor
     parallel with the reason in ``plan.experts``."""

@@ -117,16 +117,18 @@ def write_conflicts(gm: fx.GraphModule, converted: Callable[[fx.Node, fx.Node], 
     return out
 
 
-def check_mutations(gm: fx.GraphModule, plan: ShardingPlan) -> None:
-    """Raise :class:`PlanError` if an in-place write would land on a copy someone still reads.
+def check_mutations(gm: fx.GraphModule, state, plan: ShardingPlan) -> ShardingPlan:
+    """``plan``, or :class:`PlanError` if an in-place write would land on a copy someone still
+    reads.
 
-    The planner keeps such writes' sharded data replicated; this is the check on its result.
+    The planner keeps such writes' sharded data replicated; this is the check on its result
+    (it reads the plan, not the propagation ``state``).
     """
     converted = plan.converted
     synced = set(plan.grad_syncs)
     conflicts = write_conflicts(gm, lambda u, v: (u.name, v.name) in converted or u.name in synced)
     if not conflicts:
-        return
+        return plan
     c = conflicts[0]
     value, user = c.edge
     needed = converted.get((value.name, user.name), "R with a gradient all-reduce")

@@ -32,7 +32,7 @@ from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_ma
 log = logging.getLogger(__name__)
 
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
-           "local_slice"]
+           "local_slice", "same_placement", "visit"]
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -52,6 +52,8 @@ class Constraints:
     # in-place cache write -> the shard its readers slice (fewer kv heads than ranks: each
     # rank stores the heads its query heads read)
     cache_cuts: dict[str, object] = field(default_factory=dict)
+    # values that may carry a gradient (grad_syncs.values_with_grad), set once by the planner
+    needs_grad: frozenset = frozenset()
     # placeholder name -> its placement (default Replicate). It exists for rule tests
     # (tests/unit/test_rule_soundness.py); a Shard's root is cut as RootSpec.build would.
     inputs: dict[str, object] = field(default_factory=dict)
@@ -111,14 +113,14 @@ class OpView:
     def require(self, arg, placement) -> None:
         if not _is_tensor(arg):
             return
-        if not _same(self.specs, self._produced(arg), placement):
+        if not same_placement(self.specs, self._produced(arg), placement):
             self.required[arg] = placement
         else:
             self.required.pop(arg, None)
 
     def sum_is_carried(self) -> bool:
         """The planner carries this sum partial: replicated operands enter as rank 0's share
-        (:mod:`tpcompile.passes.planner.carried_sums`)."""
+        (:mod:`tpcompile.passes.planner.refine.carried_sums`)."""
         return self.node.name in self.constraints.carried
 
     def reject(self, root: str, reason: str) -> None:
@@ -334,7 +336,8 @@ def local_slice(specs: Specs, src, dst) -> bool:
                  or specs.is_full(src.layout)))
 
 
-def _same(specs: Specs, a, b) -> bool:
+def same_placement(specs: Specs, a, b) -> bool:
+    """``a`` and ``b`` place a value alike: the same dim of the same cut, or the same kind."""
     if isinstance(a, Shard) and isinstance(b, Shard):
         return a.dim == b.dim and specs.same(a.layout, b.layout)
     return type(a) is type(b) and not isinstance(a, Shard)
@@ -362,11 +365,13 @@ def propagate(gm: fx.GraphModule, world_size: int, constraints: Constraints) -> 
                     op.require(arg, Replicate())
             _record(state, node, op.required)
             continue
-        state.placements[node] = _visit(node, state, specs, constraints)
+        state.placements[node] = visit(node, state, specs, constraints)
     return state
 
 
-def _visit(node, state, specs, constraints):
+def visit(node, state, specs, constraints):
+    """``node``'s output placement by its rule (recording what the rule requires of its
+    inputs in ``state``), or replicated with its inputs gathered where it has none."""
     rule = rule_for(node)
     op = OpView(node, state, specs, constraints)
     if rule is not None:

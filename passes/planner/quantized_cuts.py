@@ -23,7 +23,7 @@ from torch import fx
 
 from tpcompile.core.placement import Misaligned, Replicate, Shard
 from tpcompile.passes.planner.dims import shape, split_layout, val
-from tpcompile.passes.planner.propagate import Propagation, _same, _visit
+from tpcompile.passes.planner.propagate import Propagation, same_placement, visit
 from tpcompile.passes.planner.quantized import dequantized_weight, stored_inputs
 
 __all__ = ["absorb_dequantized"]
@@ -40,7 +40,7 @@ def absorb_dequantized(gm: fx.GraphModule, state, constraints) -> None:
             continue
         leaves, inner = stored_inputs(value)
         readers = [u for u in value.users if val(u) is not None]
-        if not all(_same(state.specs, state.conversions.get((value, u)), wanted) for u in readers):
+        if not all(same_placement(state.specs, state.conversions.get((value, u)), wanted) for u in readers):
             continue
         if not _private(leaves + inner, set(leaves + inner) | set(readers)):
             continue
@@ -70,7 +70,7 @@ def _pulled_back(leaves, inner, value, wanted: Shard, state, constraints) -> dic
         if not any(isinstance(p, Shard) for p in combo):
             return None
         placements = _forward(dict(zip(leaves, combo)), inner, state, constraints)
-        if placements is not None and _same(state.specs, placements.get(value), wanted):
+        if placements is not None and same_placement(state.specs, placements.get(value), wanted):
             return placements
     return None
 
@@ -98,7 +98,7 @@ def _forward(start: dict, inner: list[fx.Node], state, constraints) -> dict | No
     on the way is added to ``state.no_rule``, for the pipeline to decompose."""
     trial = Propagation(placements=ChainMap(dict(start), state.placements), specs=state.specs)
     for node in inner:
-        trial.placements[node] = _visit(node, trial, state.specs, constraints)
+        trial.placements[node] = visit(node, trial, state.specs, constraints)
         state.no_rule.update(trial.no_rule)
         if trial.conversions or trial.demands or trial.no_rule or trial.fallbacks:
             return None

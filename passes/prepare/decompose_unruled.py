@@ -13,8 +13,9 @@ becomes a mean of powers, planned as a per-token statistic).
 
 The decomposition is traced with ``make_fx`` in the capture's own fake mode, so symbolic
 batch and sequence sizes stay symbolic (``sym_size`` nodes of the operands), and inlined in
-place of the node; each new node keeps the original's source line and module path and
-records ``meta["decomposed_from"]`` for ``explain``.
+place of the node; each new node keeps the original's source line and module path. The pass
+returns, beside the graph, which op each new node was decomposed from (its pass record's
+``facts``); it writes no metadata key of its own.
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ def _trace(node: fx.Node, table: dict) -> tuple[fx.GraphModule, list]:
     return gm, [originals[i] for i in traced]
 
 
-def decompose_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> int:
-    """Replace each of ``nodes`` by its traced decomposition; returns how many were replaced."""
+def decompose_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[str, str]:
+    """Replace each of ``nodes`` by its traced decomposition; returns each new node's name ->
+    the op it was decomposed from."""
     if not nodes:
-        return 0
+        return {}
     table = _unruled_table()
-    done = 0
+    made = {}
     for node in nodes:
         sub, operands = _trace(node, table)
         with gm.graph.inserting_before(node):
@@ -103,13 +105,13 @@ def decompose_nodes(gm: fx.GraphModule, nodes: list[fx.Node]) -> int:
                 if not hasattr(gm, f"_decomposed_constant_{i}")))  # a constant it made
         for copy in copies:
             copy.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
-            copy.meta["decomposed_from"] = str(node.target)
+            made[copy.name] = str(node.target)
         replace_call(gm, node, result)
-        done += 1
-    return done
+    return made
 
 
-def decompose_unruled_pass(gm: fx.GraphModule, no_rule: dict[fx.Node, str]) -> PassResult:
+def decompose_unruled_pass(gm: fx.GraphModule,
+                           no_rule: dict[fx.Node, str]) -> tuple[PassResult, dict[str, str]]:
     """logsumexp(x) -> amax, sub, exp, sum: ops with no rule that met sharded data, decomposed.
 
     ``no_rule``: the planner's ops with no rule that met a sharded or partial input. Every use
@@ -118,4 +120,4 @@ def decompose_unruled_pass(gm: fx.GraphModule, no_rule: dict[fx.Node, str]) -> P
     ops = {n.target for n in no_rule if decomposable(n)}
     unruled = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops
                and (rule_for(n) is None or n in no_rule)]  # a ruled op: only where it asked
-    return PassResult(gm, decompose_nodes(gm, unruled) > 0)
+    return PassResult(gm, bool(unruled)), decompose_nodes(gm, unruled)

@@ -39,11 +39,10 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.checkpoint_marks import REGION
 
-__all__ = ["MODES", "OUTLINED", "regions_of", "outlinable_regions", "checkpointed_graph",
+__all__ = ["MODES", "regions_of", "outlinable_regions", "checkpointed_graph",
            "checkpoint_regions_pass"]
 
 MODES = (None, "full", "selective")  # activation_checkpointing values parallelize accepts
-OUTLINED = "checkpoint_regions"  # gm.meta key: the pass's (kept, dropped)
 _ATEN, _C10D = torch.ops.aten, torch.ops._c10d_functional
 # "selective": what a block's recomputation reads back instead of computing again: the
 # matmuls' and attentions' outputs (the expensive ops) and every collective's (so backward
@@ -215,10 +214,10 @@ def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[lis
     return [r.name for r in regions], dropped
 
 
-def checkpoint_regions_pass(gm: fx.GraphModule, checkpointing: str | None) -> PassResult:
+def checkpoint_regions_pass(gm: fx.GraphModule,
+                            checkpointing: str | None) -> tuple[PassResult, tuple[list, list]]:
     """:func:`checkpointed_graph` as a pass: ``checkpointing`` is ``parallelize``'s
-    ``activation_checkpointing``; its ``(kept, dropped)`` are left in ``gm.meta[OUTLINED]``
-    for ``parallelize`` to keep and warn about."""
+    ``activation_checkpointing``; its ``(kept, dropped)`` are returned beside the graph (the
+    pass record's ``facts``) for ``parallelize`` to keep and warn about."""
     kept, dropped = checkpointed_graph(gm, checkpointing)
-    gm.meta[OUTLINED] = (kept, dropped)
-    return PassResult(gm, bool(kept))
+    return PassResult(gm, bool(kept)), (kept, dropped)

@@ -131,7 +131,7 @@ def test_a_plan_with_such_a_write_is_refused():
         plan, placements={**plan.placements, "gelu": sharded},
         conversions=plan.conversions + (Conversion("gelu", "slice_1", sharded, Replicate()),))
     with pytest.raises(PlanError) as e:
-        check_mutations(cap.gm, bad)
+        check_mutations(cap.gm, state=None, plan=bad)
     msg = str(e.value)
     assert msg.startswith("in-place op aten.fill_.Tensor at node fill_ (")
     assert "catalogue_models.py:" in msg and ": h[..., :2] = 0) writes into" in msg

@@ -14,6 +14,7 @@ import tpcompile
 from tpcompile.api import _checkpoint_regions
 from tpcompile.core.capture import capture
 from tpcompile.core.checkpoint_marks import REGION
+from tpcompile.passes import pipeline
 from tpcompile.passes.rewrite.checkpoint_regions import checkpointed_graph, regions_of
 
 
@@ -88,6 +89,15 @@ def test_region_outlined_into_a_checkpoint_call_with_inserted_op():
     torch.testing.assert_close(x.grad, ref.grad)
 
 
+def test_the_outline_pass_returns_its_regions_and_writes_no_graph_meta():
+    """What the pass found is its record's value, not a key left on the graph for the caller."""
+    gm = _marked(_convex, {"relu": "r", "add": "r", "tanh": None})
+    before = dict(gm.meta)
+    _, records = pipeline.outline(gm, None)
+    assert [(r.name, r.facts) for r in records] == [("checkpoint_regions", (["r"], []))]
+    assert gm.meta == before
+
+
 def _read_back(x):
     a = torch.relu(x)
     return torch.add(a, torch.neg(a))
@@ -96,7 +106,8 @@ def _read_back(x):
 def test_region_read_back_from_outside_stays_inline_with_a_warning():
     gm = _marked(_read_back, {"relu": "r", "neg": None, "add": "r"})
     with pytest.warns(UserWarning, match="r is not checkpointed.*neg.*read back inside"):
-        assert _checkpoint_regions(gm, None) == []
+        kept, dropped = _checkpoint_regions(gm, None)
+    assert kept == [] and [name for name, _ in dropped] == ["r"]
     assert "checkpointed_region" not in gm.code
 
 

@@ -1,6 +1,6 @@
-"""The README's pipeline table and docs/design.md's pipeline and layout are generated, not
-written: this test regenerates them (docs/generate.py) and compares. After adding, moving or
-renaming a pass or a module, or editing the first sentence of its docstring, run
+"""The README's pipeline table and docs/design.md's pipeline, planner and layout are generated,
+not written: this test regenerates them (docs/generate.py) and compares. After adding, moving
+or renaming a pass, a refinement or a module, or editing the first sentence of its docstring, run
 
     python docs/generate.py
 
@@ -37,3 +37,15 @@ def test_every_pass_is_a_file_named_after_it_in_its_phase():
         for name, fn in passes:
             assert fn.__name__ == f"{name}_pass"
             assert fn.__module__ == f"tpcompile.passes.{phase}.{name}", fn.__module__
+
+
+def test_every_refinement_is_a_file_named_after_it_listed_once():
+    from tpcompile.passes.planner import refine
+
+    listed = [fn for _, stage in refine.REFINEMENTS for fn in stage]
+    assert len({fn.__name__ for fn in listed}) == len(listed), "a refinement listed twice"
+    for fn in listed:
+        assert fn.__module__ == f"tpcompile.passes.planner.refine.{fn.__name__}", fn.__module__
+    files = {p.stem for p in Path(refine.__file__).parent.glob("*.py")} - {"__init__", "decision"}
+    assert files == {fn.__name__ for fn in listed}, "a file in refine/ that REFINEMENTS lacks"
+    assert len({name for name, _ in refine.REFINEMENTS}) == len(refine.REFINEMENTS)

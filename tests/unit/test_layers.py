@@ -1,28 +1,20 @@
 """The package's layers: every import inside tpcompile goes down (or within its own layer).
 
-The order tells the pipeline's story: errors and the bridges between torch releases (compat),
-then capture and the plan's data types (core), what rewritten graphs call at run time
-(runtime), the passes (the planner's analyses and rule table, then the passes that prepare or
-rewrite the graph with them, then the pipeline that runs them all), ``parallelize`` (api), the
-features built on it (compile, inspect, state), and the tools on top. A module importing
-upwards would let stage 1 depend on stage 4; this test names the first such import.
+The layers, and why in that order, are declared once in the package (:mod:`tpcompile.layers`);
+a module importing upwards would let stage 1 depend on stage 4: this test names the first
+such import. No module imports another's private names either.
 """
 
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 import tpcompile
 import tpcompile.passes
+from tpcompile.layers import layer_modules
 
-# the layers are declared once, in docs/generate.py, which lists the package in their order
-_PATH = Path(__file__).resolve().parents[2] / "docs" / "generate.py"
-_spec = importlib.util.spec_from_file_location("tpcompile_docs_generate", _PATH)
-_generate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_generate)
-LAYERS = _generate.layer_modules()
+LAYERS = layer_modules()
 
 
 def layer_of(module: str) -> int | None:
@@ -56,7 +48,7 @@ def imports(path: Path):
 @pytest.mark.parametrize("name,path", list(modules()), ids=lambda x: str(x).rsplit("/", 1)[-1])
 def test_imports_go_down(name, path):
     mine = layer_of(name)
-    assert mine is not None, f"{name} belongs to no layer; add it to LAYERS in docs/generate.py"
+    assert mine is not None, f"{name} belongs to no layer; add it to LAYERS in tpcompile/layers.py"
     for target, line in imports(path):
         theirs = layer_of(target)
         if target.startswith("tpcompile") and theirs is None and target != "tpcompile":
@@ -64,6 +56,20 @@ def test_imports_go_down(name, path):
         assert target != "tpcompile", f"{path.name}:{line} imports the package root"
         if theirs is not None:
             assert theirs <= mine, f"{path.name}:{line}: {name} (layer {mine}) imports {target} (layer {theirs})"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name with a leading underscore is its module's own: what another module needs is
+    public (in ``__all__`` where the module keeps one), so a module's API is what it exports."""
+    reach_ins = []
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (
+                    node.module or "").startswith("tpcompile")):
+                reach_ins += [f"{path.name}:{node.lineno} imports {a.name} from {node.module}"
+                              for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert reach_ins == []
 
 
 def test_few_modules_at_the_top():

@@ -248,7 +248,7 @@ def attribute_info(gm: fx.GraphModule, model: nn.Module):
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        t = _fetch(gm, node.target)
+        t = fetch(gm, node.target)
         if isinstance(t, torch.Tensor):
             aliases[node.target] = aliases_by_id.get(id(t), (node.target,))
             if isinstance(t, nn.Parameter) and (t.is_floating_point() or t.is_complex()):
@@ -287,7 +287,8 @@ def _specialised_sizes(model: nn.Module, args: tuple, kwargs: dict, static: tupl
     return out
 
 
-def _fetch(root: nn.Module, target: str):
+def fetch(root: nn.Module, target: str):
+    """The attribute a ``get_attr`` target names under ``root`` (``"layers.0.w"``)."""
     obj = root
     for part in target.split("."):
         obj = getattr(obj, part)

@@ -103,7 +103,7 @@ class Conversion:
     ``kind`` names what it costs: ``all_reduce`` (+``slice``), ``all_gather`` (+``slice``),
     ``slice`` (local, no communication), and ``summand``: a replicated value entering a
     partial sum as rank 0's share (zeros on the others; no communication, and its gradient
-    whole on every rank: ``passes/planner/carried_sums.py``).
+    whole on every rank: ``passes/planner/refine/carried_sums.py``).
     """
 
     value: str

@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from tpcompile.core.block_paths import block_of
-from tpcompile.core.capture import Capture, _fetch, attribute_info, capture
+from tpcompile.core.capture import Capture, fetch, attribute_info, capture
 from tpcompile.core.subclass_weights import subclass_part, subclass_parts
 
 __all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "REUSED"]
@@ -223,10 +223,10 @@ def _module(model: nn.Module, cap: Capture, graph: fx.Graph) -> fx.GraphModule:
     for node in graph.nodes:
         if node.op == "get_attr":
             try:
-                owned[node.target] = _fetch(model, node.target)
+                owned[node.target] = fetch(model, node.target)
             except AttributeError:  # a subclass weight's part, or a constant export lifted
                 part = subclass_part(model, node.target)
-                owned[node.target] = part if part is not None else _fetch(cap.gm, node.target)
+                owned[node.target] = part if part is not None else fetch(cap.gm, node.target)
         elif node.op == "call_module":
             owned[node.target] = cap.gm.get_submodule(node.target)
     gm = fx.GraphModule(owned, graph)

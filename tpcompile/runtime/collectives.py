@@ -19,7 +19,7 @@ from tpcompile.errors import CollectiveError
 from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.timeouts import collective_failure
 
-__all__ = ["all_reduce", "zero_summand", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
+__all__ = ["all_reduce", "plain_all_reduce", "zero_summand", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
            "reduce_scatter",
            "COLLECTIVE_FNS", "count_collectives", "issued"]
 
@@ -39,7 +39,9 @@ def _waited(what: str, group: str, launch) -> torch.Tensor:
         raise collective_failure(what, group, e) from e
 
 
-def _all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+def plain_all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over ``group`` by ``op``, with no autograd of its own (:func:`all_reduce`
+    is Megatron's *g*)."""
     return _waited("all_reduce", group, lambda: _c10d.all_reduce(x.contiguous(), op, group))
 
 
@@ -48,7 +50,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return plain_all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -65,12 +67,12 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return plain_all_reduce(grad, ctx.group), None
 
 
 def _all_reduce_together(tensors: list, group: str) -> list:
     """Sum each tensor over the ranks in one all-reduce of them all, flattened."""
-    summed = _all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    summed = plain_all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
     return [s.view_as(t) for s, t in zip(summed.split([t.numel() for t in tensors]), tensors)]
 
 
@@ -135,7 +137,7 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def zero_summand(x: torch.Tensor, keep: bool) -> torch.Tensor:
     """Replicate -> Partial with no communication: ``x`` on the rank that ``keep``s it (rank
     0), zeros on the others, so the ranks' values sum to ``x``; the gradient passes through
-    whole on every rank (a carried sum: ``passes/planner/carried_sums.py``)."""
+    whole on every rank (a carried sum: ``passes/planner/refine/carried_sums.py``)."""
     return _ZeroSummand.apply(x, keep)
 
 
@@ -194,7 +196,7 @@ def _sum_own_slice(grad: torch.Tensor, dim: int, index, mine, keep, group_size: 
         out = _waited("reduce_scatter", group, lambda: _c10d.reduce_scatter_tensor(
             moved, "sum", group_size, group))
         return out.movedim(0, dim)
-    return _own_slice(_all_reduce(grad, group), dim, mine, keep)
+    return _own_slice(plain_all_reduce(grad, group), dim, mine, keep)
 
 
 class _Gather(torch.autograd.Function):
@@ -227,7 +229,7 @@ class _ReduceScatter(torch.autograd.Function):
             out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved, "sum", group_size, group))
             return out.movedim(0, dim)
         # a fresh tensor, not a view: a view would keep the whole sum alive when saved
-        return _take(_all_reduce(x, group), dim, mine).clone()
+        return _take(plain_all_reduce(x, group), dim, mine).clone()
 
     @staticmethod
     def backward(ctx, grad):

@@ -28,7 +28,8 @@ class TPModule(nn.Module):
     """A tensor-parallel module: this rank's shards plus the graph that uses them."""
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group,
-                 check_calls: str = "new"):
+                 check_calls: str = "new", checkpointed_regions: tuple[str, ...] = (),
+                 skeleton_capture=None, capture_signature=None):
         super().__init__()
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -41,16 +42,18 @@ class TPModule(nn.Module):
         gm._parameters, gm._buffers = self._parameters, self._buffers
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
+        # the names of the regions recomputed in backward (activation_checkpointing)
+        self.checkpointed_regions = checkpointed_regions
         object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
         # ranks agree on each new call before the graph's collectives (a collective itself:
         # every rank of the group constructs its TPModule at the same point, in parallelize)
         object.__setattr__(self, "call_check", CallCheck(group, check_calls))
         # further (input spec, graph) pairs, one per call signature (see runtime.signatures);
-        # capture_signature(args, kwargs) -> (a rewritten graph, its plan), set by parallelize
+        # capture_signature(args, kwargs) -> (a rewritten graph, its plan), given by parallelize
         object.__setattr__(self, "signatures", [])
-        object.__setattr__(self, "capture_signature", None)
+        object.__setattr__(self, "capture_signature", capture_signature)
         # the same, on a meta copy of the model, for generate()'s static-cache wrapper
-        object.__setattr__(self, "skeleton_capture", None)
+        object.__setattr__(self, "skeleton_capture", skeleton_capture)
         # torch.compile arguments for generate()'s decode steps (compile_generation)
         object.__setattr__(self, "generation_compile", None)
         # what a compiled call runs: identical blocks outlined into one nested compile region,

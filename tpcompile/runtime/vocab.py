@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses import FakeTensor
 
-from tpcompile.runtime.collectives import COLLECTIVE_FNS, _all_reduce
+from tpcompile.runtime.collectives import COLLECTIVE_FNS, plain_all_reduce
 from tpcompile.errors import InputError
 
 __all__ = ["check_ids", "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
@@ -57,13 +57,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, class_dim, start, stop, reduction, ignore_index, group):
         x = logits.movedim(class_dim, -1)
         peak = x.detach().amax(-1)
-        peak = _all_reduce(peak, group, "max")
+        peak = plain_all_reduce(peak, group, "max")
         shifted = x - peak.unsqueeze(-1)
         valid = target != ignore_index
         inside = (target >= start) & (target < stop) & valid
         local_t = torch.where(inside, target - start, 0)
         picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside
-        sums = _all_reduce(torch.stack([shifted.exp().sum(-1), picked]), group)
+        sums = plain_all_reduce(torch.stack([shifted.exp().sum(-1), picked]), group)
         log_z = sums[0].log()
         losses = (log_z - sums[1]) * valid
         ctx.save_for_backward(shifted, log_z, local_t, inside, valid)

@@ -132,7 +132,7 @@ def _kept_label(sharded, operands, out_labels):
     return max(rank, key=rank.get)
 
 
-def _broadcast_labels(args, out_shape):
+def broadcast_labels(args, out_shape):
     """Right-aligned labels for pointwise operands; broadcast size-1 dims get None."""
     n = len(out_shape)
     result = []
@@ -146,14 +146,14 @@ def _broadcast_labels(args, out_shape):
     return result
 
 
-def _replicate_all(op):
+def replicate_all(op):
     """The op runs on whole tensors: every tensor input is gathered / reduced first."""
-    for a in _tensor_args(op.node):
+    for a in tensor_args(op.node):
         op.require(a, Replicate())
     return Replicate()
 
 
-def _tensor_args(node):
+def tensor_args(node):
     flat = []
     for a in list(node.args) + list(node.kwargs.values()):
         if isinstance(a, (list, tuple)):

@@ -14,7 +14,7 @@ from tpcompile.runtime.grouped_experts import grouped_mm_rows
 from tpcompile.passes.planner.dims import hinted_shape, shape
 from tpcompile.passes.planner.experts import grouped_mode
 from tpcompile.passes.planner.rules.table import register
-from tpcompile.passes.planner.rules.einsum import _replicate_all, einsum_rule
+from tpcompile.passes.planner.rules.einsum import replicate_all, einsum_rule
 
 aten = torch.ops.aten
 
@@ -127,7 +127,7 @@ def _grouped_mm(op):
     (:mod:`tpcompile.passes.planner.grouped_experts`); this rule records which is asked."""
     x, w = op.node.args[0], op.node.args[1]
     if len(shape(x)) != 2 or len(shape(w)) != 3:
-        return _replicate_all(op)
+        return replicate_all(op)
     operands = [(x, ["t", "k"]), (w, [None, "k", "n"])]
     out = einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
     if isinstance(out, Shard) and op.param_behind(w) is not None:
@@ -182,7 +182,7 @@ def _convolution(op):
     elif groups == sx[c] == so[c] and sw[1] == 1:
         x_labels, w_labels, out = kept + ["c"], ["c", None], kept + ["c"]
     else:
-        return _replicate_all(op)
+        return replicate_all(op)
     operands = [(x, x_labels + [None] * spatial), (w, w_labels + [None] * spatial)]
     if bias is not None:
         operands.append((bias, [out[-1]]))

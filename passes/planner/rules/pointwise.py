@@ -15,8 +15,8 @@ from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.rng import sharded_dropout
 from tpcompile.passes.planner.dims import shape, val
 from tpcompile.passes.planner.rules.table import RULES, TAGGED, Rule, register, zero_filled
-from tpcompile.passes.planner.rules.einsum import _broadcast_labels, _tensor_args, einsum_rule
-from tpcompile.passes.planner.rules.writes import _in_place
+from tpcompile.passes.planner.rules.einsum import broadcast_labels, tensor_args, einsum_rule
+from tpcompile.passes.planner.rules.writes import in_place
 
 aten = torch.ops.aten
 
@@ -24,7 +24,7 @@ aten = torch.ops.aten
 def _pointwise(linear):
     def propagate(op):
         out = shape(op.node)
-        tensors = kept = _tensor_args(op.node)
+        tensors = kept = tensor_args(op.node)
         if linear == "add" and op.sum_is_carried():
             carried = _carried_sum(op, tensors)
             if carried is not None:
@@ -36,13 +36,13 @@ def _pointwise(linear):
         kind = linear
         if linear == "add":
             kind = "add" if len(kept) > 1 else ("unary" if len(kept) < len(tensors) else None)
-        return einsum_rule(op, _broadcast_labels(kept, out), list(range(len(out))), kind)
+        return einsum_rule(op, broadcast_labels(kept, out), list(range(len(out))), kind)
     return propagate
 
 
 def _carried_sum(op, tensors):
     """A sum the planner carries partial (``Constraints.carried``, see
-    :mod:`tpcompile.passes.planner.carried_sums`): each replicated operand enters as rank 0's
+    :mod:`tpcompile.passes.planner.refine.carried_sums`): each replicated operand enters as rank 0's
     share (a ``summand`` conversion: zeros on the other ranks), partial ones as they are, so
     the output is one partial sum. A partial sum the planner reduces early for its other
     readers is read here as the partial sum it is, which needs no conversion at all. None
@@ -130,4 +130,4 @@ IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it fol
     aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar,
 }
 for _op, _like in IN_PLACE.items():
-    RULES[_op] = Rule(_in_place(RULES[_like].propagate))
+    RULES[_op] = Rule(in_place(RULES[_like].propagate))

@@ -12,7 +12,7 @@ from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.runtime.partial import mean_term
 from tpcompile.passes.planner.dims import norm_dim, shape
 from tpcompile.passes.planner.rules.table import register
-from tpcompile.passes.planner.rules.einsum import _tensor_args, einsum_rule
+from tpcompile.passes.planner.rules.einsum import tensor_args, einsum_rule
 
 aten = torch.ops.aten
 
@@ -32,9 +32,9 @@ def _reduce(linear, statistic=False, at=1):
     """A reduction over some dims. ``linear``: a shard of a reduced dim gives a partial sum.
 
     ``statistic``: that partial sum is a per-token statistic (a norm's mean of squares), whose
-    all-reduce the planner accepts only in a region that is otherwise Megatron's
-    (``_dead_regions``): a norm over the residual stream must still end a region. ``at``: as
-    in :func:`_reduced_dims`."""
+    all-reduce the planner accepts only in a region that is otherwise Megatron's (the
+    refinement ``dead_regions``): a norm over the residual stream must still end a region.
+    ``at``: as in :func:`_reduced_dims`."""
     def propagate(op):
         x = op.node.args[0]
         n = len(shape(x))
@@ -132,7 +132,7 @@ def _last_dims_free(count_fn, linear=None):
         free = count_fn(op.node, n)
         labels = [f"r{d}" if d in free else d for d in range(n)]
         operands = [(x, labels)]
-        for a in _tensor_args(op.node)[1:]:  # weight / bias over the normalized dims
+        for a in tensor_args(op.node)[1:]:  # weight / bias over the normalized dims
             operands.append((a, [f"r{d}" for d in range(n - len(shape(a)), n)]))
         # the whole of each free dim feeds every output element: its label is not carried over
         return einsum_rule(op, operands, [d if d not in free else f"o{d}" for d in range(n)], linear)

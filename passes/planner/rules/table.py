@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from tpcompile.passes.planner.dims import shape
-from tpcompile.passes.planner.rules.einsum import _tensor_args
+from tpcompile.passes.planner.rules.einsum import tensor_args
 
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
@@ -62,7 +62,7 @@ class Rule:
     - ``sums``: its output is the (signed, scaled) sum of its tensor operands and nothing else
       (``add``, ``sub``): a replicated operand may enter it as rank 0's share of a partial sum
       (zeros on the other ranks), so a sum of row-parallel outputs and a residual stays
-      partial and is reduced once (:mod:`tpcompile.passes.planner.carried_sums`).
+      partial and is reduced once (:mod:`tpcompile.passes.planner.refine.carried_sums`).
     """
     propagate: Callable
     localize: Callable | None = None
@@ -142,7 +142,7 @@ def shard_map(node: fx.Node) -> Callable | None:
         return None
     if (carried := rule.maps or rule.carries) is not None:
         return carried
-    if rule.elementwise and len(_tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
+    if rule.elementwise and len(tensor_args(node)) == 1 and shape(node) == shape(node.args[0]):
         return lambda node, shard: shard
     return None
 

@@ -11,7 +11,7 @@ from tpcompile.runtime.limits import SAME_VALUES
 from tpcompile.runtime.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from tpcompile.passes.planner.dims import shape
 from tpcompile.passes.planner.rules.table import register
-from tpcompile.passes.planner.rules.einsum import _replicate_all
+from tpcompile.passes.planner.rules.einsum import replicate_all
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def _embedding(op):
         op.require(w, Shard(0, layout))
         op.require(ids, Replicate())
         return Partial()
-    return _replicate_all(op)
+    return replicate_all(op)
 
 
 def _localize_embedding(node, local):
@@ -82,7 +82,7 @@ def _cross_entropy(op):
             and _contiguous(op, p.layout)):
         op.require(target, Replicate())
         return Replicate()
-    return _replicate_all(op)
+    return replicate_all(op)
 
 
 def _localize_cross_entropy(node, local):

@@ -1,6 +1,6 @@
 """Ops that write into a tensor: in-place ops, writes into KV caches, writes into fresh buffers.
 
-In place, the written tensor must keep its placement (:func:`_in_place`); a cache written in
+In place, the written tensor must keep its placement (:func:`in_place`); a cache written in
 place may be stored sharded (:func:`cache_behind`); a write into a buffer made in the graph is
 made out of place (``FRESH_BUFFERS``, ``SCATTERS``, :func:`value_of_write`) and its
 functional form has a rule here.
@@ -15,13 +15,13 @@ from tpcompile.core.placement import Partial, Replicate, Shard
 from tpcompile.passes.planner.dims import norm_dim, shape, val
 from tpcompile.passes.planner.rules.table import RULES, Rule, is_view, register
 from tpcompile.passes.planner.rules.einsum import (
-    _broadcast_labels, _replicate_all, _tensor_args, einsum_rule,
+    broadcast_labels, replicate_all, tensor_args, einsum_rule,
 )
 
 aten = torch.ops.aten
 
 
-def _in_place(propagate, into_cache=False):
+def in_place(propagate, into_cache=False):
     """``relu_``, ``add_``...: the out-of-place rule, as long as the written tensor keeps its
     placement. Converting a replicated one would hand the write a copy, so the other operands
     are gathered instead; a sharded or partial one converted anyway is judged by
@@ -38,7 +38,7 @@ def _in_place(propagate, into_cache=False):
         out = propagate(op)
         if written in op.required and isinstance(op.placement(written), Replicate):
             op.required.clear()
-            for a in _tensor_args(op.node):
+            for a in tensor_args(op.node):
                 op.require(a, Replicate())
             return Replicate()
         return out
@@ -90,7 +90,7 @@ def _index_put(op):
     partial sum, all-reduced once."""
     labels = _index_put_labels(op)
     if labels is None or _cut_at_positions(op, labels[0]):
-        return _replicate_all(op)  # masks, scattered index tensors, positions cut over ranks
+        return replicate_all(op)  # masks, scattered index tensors, positions cut over ranks
     for i in op.node.args[1]:
         if isinstance(i, fx.Node):
             op.require(i, Replicate())
@@ -117,7 +117,7 @@ def _index_copy(op):
     """``cache.index_copy_(dim, pos, v)``: ``v`` has the cache's dims, ``dim`` cut to the positions."""
     labels = _index_copy_labels(op)
     if _cut_at_positions(op, labels[0]):
-        return _replicate_all(op)
+        return replicate_all(op)
     op.require(op.node.args[2], Replicate())
     return einsum_rule(op, labels, labels[0][1])
 
@@ -140,8 +140,8 @@ def _index_copy_labels(op):
 
 register(aten.index_put.default)(_index_put)
 register(aten.index_copy.default)(_index_copy)
-RULES[aten.index_put_.default] = Rule(_in_place(_index_put, into_cache=True))
-RULES[aten.index_copy_.default] = Rule(_in_place(_index_copy, into_cache=True))
+RULES[aten.index_put_.default] = Rule(in_place(_index_put, into_cache=True))
+RULES[aten.index_copy_.default] = Rule(in_place(_index_copy, into_cache=True))
 
 
 # --------------------------------------------------------------------------- fresh buffers
@@ -211,7 +211,7 @@ def _index_add(op):
     x, _, index, source = op.node.args[:4]
     labels = _index_copy_labels(op)
     if _cut_at_positions(op, labels[0]):
-        return _replicate_all(op)
+        return replicate_all(op)
     op.require(index, Replicate())
     if _written_partially(op, x, source):
         return Partial()
@@ -231,7 +231,7 @@ def _scatter_into_view(op):
     else:
         written.append((src, [d for d in range(n) if d != dim]))
     if _cut_at_positions(op, written[0]):
-        return _replicate_all(op)
+        return replicate_all(op)
     if _written_partially(op, x, src):
         return Partial()
     return einsum_rule(op, written, written[0][1], linear="add")
@@ -248,7 +248,7 @@ def _expand_as(op):
     out = shape(op.node)
     labels = list(range(len(out)))
     px, psrc = op.placement(x), op.placement(src)
-    (_, src_labels), = operands = _broadcast_labels([src], out)
+    (_, src_labels), = operands = broadcast_labels([src], out)
     if (isinstance(px, Shard) and isinstance(psrc, Shard) and not op.specs.is_full(psrc.layout)
             and src_labels[psrc.dim] != px.dim):
         result = einsum_rule(op, [(x, labels)], labels)

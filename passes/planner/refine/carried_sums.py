@@ -46,8 +46,9 @@ from torch import fx
 
 from tpcompile.core.placement import Partial, Replicate
 from tpcompile.passes.planner.dims import val
-from tpcompile.passes.planner.freeze import consumed
-from tpcompile.passes.planner.propagate import Propagation
+from tpcompile.passes.planner.propagate import Constraints, Propagation
+from tpcompile.passes.planner.reads import consumed
+from tpcompile.passes.planner.refine.decision import Decision
 from tpcompile.passes.planner.rules import is_sum
 
 __all__ = ["carried_sums"]
@@ -57,24 +58,24 @@ __all__ = ["carried_sums"]
 WORTH = 2
 
 
-def carried_sums(gm: fx.GraphModule, state: Propagation, sequence_parallel: bool,
-                 carried: set[str]) -> tuple[set[str], set[str]]:
-    """``(sums, tops)``: the sum nodes whose replicated operands should enter their partial
-    sums as rank 0's share, in every tree where that saves all-reduces (see the module
-    docstring), and the tops of those trees, each reduced where it is made. ``carried``: the
-    sums carried already (their trees no longer show a replicated operand)."""
-    if sequence_parallel or state.specs.world_size < 2:
-        return set(), set()
+def carried_sums(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> Decision:
+    """Carry the sum nodes whose replicated operands should enter their partial sums as rank
+    0's share, in every tree where that saves all-reduces (see the module docstring), and
+    reduce the tops of those trees early, each where it is made. The sums carried already
+    (``constraints.carried``) no longer show a replicated operand."""
+    if constraints.options.sequence_parallel or state.specs.world_size < 2:
+        return Decision()
     sums: set[str] = set()
     tops: set[str] = set()
     for top in gm.graph.nodes:
         if not _summable(state, top) or _in_tree(state, top):
             continue
         tree = _tree(state, top)
-        if _saved(state, tree, carried) >= WORTH:
+        if _saved(state, tree, constraints.carried) >= WORTH:
             sums.update(n.name for n in tree if _replicated_operands(state, n))
             tops.add(top.name)
-    return sums, tops
+    return Decision(carried=sums - constraints.carried,
+                    reduce_early=tops - constraints.reduce_early)
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:

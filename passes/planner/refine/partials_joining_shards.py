@@ -9,8 +9,8 @@ every rank, ``B`` reads a replicated activation and starts a column root of its 
 output features, and the add joins two shards cut alike: no forward collective at all.
 
 The rule is about placements, not names: a root whose partial sum some op reduces only to
-add it to shards of a different root is killed (kept replicated) by the planner's refine
-loop, which then re-propagates. A partial sum reduced into replicated code (the residual
+add it to shards of a different root is killed (kept replicated) by the planner, which then
+re-propagates. A partial sum reduced into replicated code (the residual
 stream) or into sequence shards is an ordinary row-parallel exit and is left alone.
 """
 
@@ -19,26 +19,16 @@ from __future__ import annotations
 from torch import fx
 
 from tpcompile.core.placement import Partial, Shard
-from tpcompile.passes.planner.propagate import SEQUENCE, Propagation
+from tpcompile.passes.planner.propagate import SEQUENCE, Constraints, Propagation
+from tpcompile.passes.planner.reads import roots_behind
+from tpcompile.passes.planner.refine.decision import Decision
 
-__all__ = ["roots_behind", "partials_joining_shards"]
-
-
-def roots_behind(state: Propagation, node: fx.Node, seen: set) -> set[str]:
-    """The roots a value's distributed placement comes from (a partial sum: its inputs')."""
-    if node in seen:
-        return set()
-    seen.add(node)
-    p = state.placements.get(node)
-    if isinstance(p, Shard):
-        return {p.layout.root}
-    if isinstance(p, (Partial, list, tuple)):
-        return set().union(*(roots_behind(state, a, seen) for a in node.all_input_nodes))
-    return set()
+__all__ = ["partials_joining_shards"]
 
 
-def partials_joining_shards(state: Propagation) -> dict[str, str]:
-    """Roots whose partial sum is reduced only to join another root's shards: root -> why.
+def partials_joining_shards(gm: fx.GraphModule, state: Propagation,
+                            constraints: Constraints) -> Decision:
+    """Kill the roots whose partial sum is reduced only to join another root's shards.
 
     For each conversion of a ``Partial`` value: the op reading it produces a ``Shard`` of a
     weight root (not the sequence), and another of its operands arrives as that same shard.
@@ -55,7 +45,7 @@ def partials_joining_shards(state: Propagation) -> dict[str, str]:
             out.setdefault(root, f"its partial sum {value.name} would be reduced only to join "
                                  f"{joined}'s shards in {user.name}: kept whole, the next "
                                  f"matmul is cut like {joined} and no collective is paid")
-    return out
+    return Decision(killed=out)
 
 
 def _joined_root(state: Propagation, value: fx.Node, user: fx.Node) -> str | None:
