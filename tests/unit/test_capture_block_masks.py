@@ -3,7 +3,7 @@
 The mask's block tensors and the tensors its ``mask_mod`` closes over are inputs of the graph
 (a later call's mask is read, not the capture's); the ``flex_attention`` call is kept whole as
 the higher-order op, whose dense backward runs on CPU and equals attention written out in
-plain tensor ops.
+plain tensor ops. Sharding and numerics on gloo ranks: tests/gloo/test_flex_attention.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import tpcompile
 from tpcompile.core.capture import capture
 from tpcompile.tools.numerics import rel_err
 from zoo import flex_models
@@ -90,3 +91,17 @@ def test_captured_flex_attention_differentiates_on_cpu():
     got = dict(cap.gm.named_parameters())
     errors = {name: rel_err(got[name].grad, p.grad) for name, p in reference.named_parameters()}
     assert len(errors) == 5 and max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("name,world_size,whole", [
+    ("flex_alibi", 2, set()), ("flex_alibi_gqa", 4, set()),
+    ("flex_alibi_mqa", 4, {"k.weight", "v.weight"})])
+def test_flex_attention_is_planned_by_heads(name, world_size, whole):
+    model, inputs = flex_models.build(name)
+    report = tpcompile.explain(model, inputs, world_size)
+    styles = {p: report.params[p].style for p in ("q.weight", "k.weight", "v.weight",
+                                                  "o.weight")}
+    expected = {"q.weight": "colwise", "k.weight": "colwise", "v.weight": "colwise",
+                "o.weight": "rowwise"}
+    assert styles == {p: "replicate" if p in whole else s for p, s in expected.items()}
+    assert not report.fallbacks, report.fallbacks
