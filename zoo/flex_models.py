@@ -93,8 +93,23 @@ def local_window(b, h, q_idx, kv_idx):
     return (q_idx - kv_idx).abs() <= 4
 
 
+def hf_llama(attn_implementation: str):
+    """A tiny random-init Llama (hidden 64, 2 layers, 8 heads, 2 kv heads, vocab 128)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                            max_position_embeddings=64)
+    config._attn_implementation = attn_implementation
+    return tf.LlamaForCausalLM(config)
+
+
 def build(name: str, math_impl: bool = False):
     """(model, example inputs) of case ``name``; the same weights for both implementations."""
+    if name == "hf_llama_flex":
+        ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        return hf_llama("sdpa" if math_impl else "flex_attention"), (ids,)
     torch.manual_seed(0)
     model = FlexBlock(**CASES[name], math_impl=math_impl)
     x = torch.randn(BATCH, SEQ, DIM)

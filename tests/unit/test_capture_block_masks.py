@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import tpcompile
+from tpcompile import CaptureError
 from tpcompile.core.capture import capture
 from tpcompile.tools.numerics import rel_err
 from zoo import flex_models
@@ -105,3 +106,20 @@ def test_flex_attention_is_planned_by_heads(name, world_size, whole):
                 "o.weight": "rowwise"}
     assert styles == {p: "replicate" if p in whole else s for p, s in expected.items()}
     assert not report.fallbacks, report.fallbacks
+
+
+def test_hugging_face_flex_attention_captured_at_the_example_sizes():
+    """transformers builds the block mask in forward; with dynamic sizes export fails (and
+    spoils a second attempt), so the capture is static and says so. A padding mask is refused
+    at transformers' own data-dependent check, by name."""
+    pytest.importorskip("transformers")
+    model, (ids,) = flex_models.build("hf_llama_flex")
+    with pytest.warns(UserWarning, match="attn_implementation='flex_attention'"):
+        cap = capture(model, (ids,))
+    assert any("accepts only the example's sizes" in note for note in cap.notes), cap.notes
+    with torch.no_grad():
+        torch.testing.assert_close(cap.gm(ids)[0], model(ids).logits)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    with pytest.raises(CaptureError, match="masking_utils.py"):
+        capture(model, (ids,), {"attention_mask": mask})

@@ -2,9 +2,8 @@
 
 torch.export takes only pytree containers as inputs, and torch (2.13) registers no pytree node
 for :class:`~torch.nn.attention.flex_attention.BlockMask`, though the class carries its own
-``_flatten`` / ``_unflatten``: a model whose forward takes one (torchtitan's language models,
-Hugging Face's ``attn_implementation="flex_attention"``) is refused with ``Unsupported input
-type``. :func:`register_block_mask` registers it with those methods. Its leaves are the mask's
+``_flatten`` / ``_unflatten``: a model whose forward takes one (torchtitan's language models)
+is refused with ``Unsupported input type``. :func:`register_block_mask` registers it with those methods. Its leaves are the mask's
 block tensors and the tensors its ``mask_mod`` closes over (a document mask's sequence ids),
 so they are inputs of the graph and a later call's mask is read, not the capture's; its
 context (sequence lengths, block sizes, the ``mask_mod``'s code) is part of the call check, so
@@ -14,6 +13,9 @@ a mask of another length or with another ``mask_mod`` is refused by
 ``BlockMask._flatten`` skips the closure extraction while torch compiles or exports, so the
 spec export records would never equal a later call's; :func:`_flatten` runs it with the flag
 cleared, outside Dynamo.
+
+:func:`flex_sizes_fixed` names a Hugging Face flex-attention model, captured at the example's
+sizes.
 
 ``flex_attention`` refuses inputs that require grad on CPU, for its compiled kernels; the
 higher-order op it traces to (``torch.ops.higher_order.flex_attention``) runs eagerly on CPU
@@ -27,9 +29,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["register_block_mask", "flex_capture", "static_leaves"]
+from tpcompile.core.cache_configs import reachable_configs
+
+__all__ = ["register_block_mask", "flex_capture", "static_leaves", "flex_sizes_fixed"]
 
 try:
     from torch.nn.attention import flex_attention as _flex
@@ -76,6 +81,21 @@ def static_leaves(value):
     if node is None or type(value) in pytree.BUILTIN_TYPES:
         return None
     return tuple(None for _ in node.flatten_fn(value)[0])
+
+
+def flex_sizes_fixed(model: nn.Module) -> str:
+    """Why ``model`` is captured at the example's sizes only ('' when it is not): a Hugging Face
+    model with ``attn_implementation="flex_attention"`` builds its block mask in forward
+    (``create_block_mask`` compiled, over a mask_mod of its position ids), which torch.export
+    (torch 2.13) cannot trace with symbolic sizes, and a failed dynamic attempt spoils export's
+    state for the static one that would follow in the same process: the static capture comes
+    first."""
+    if not any(getattr(c, "_attn_implementation", None) == "flex_attention"
+               for c in reachable_configs(model)):
+        return ""
+    return ("captured with static shapes: a Hugging Face model with attn_implementation="
+            "'flex_attention' builds its block mask in forward, which torch.export cannot trace "
+            "with dynamic sizes; the module accepts only the example's sizes")
 
 
 @contextlib.contextmanager

@@ -35,7 +35,9 @@ from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 from tpcompile.compat import stack_traces as recorded_stack_traces
-from tpcompile.core.block_masks import flex_capture, register_block_mask, static_leaves
+from tpcompile.core.block_masks import (
+    flex_capture, flex_sizes_fixed, register_block_mask, static_leaves,
+)
 from tpcompile.core.cache_configs import cache_hint, caches_off
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
@@ -190,6 +192,9 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
     notes: list[str] = []
+    if dynamic and (fixed := flex_sizes_fixed(model)):
+        dynamic = False
+        notes.append(fixed)
     if dynamic:
         notes += _specialised_sizes(model, args, kwargs, static_dims)
     try:

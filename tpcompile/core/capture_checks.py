@@ -29,6 +29,7 @@ import threading
 
 import torch
 import torch._dynamo._trace_wrapped_higher_order_op  # ModIndex (see _HIGHER_ORDER_OPS)
+import torch._functorch.autograd_function
 from torch import nn
 
 from tpcompile.errors import CaptureError
@@ -39,9 +40,12 @@ _STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, train
 _CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
 # higher-order ops (flex attention) apply their own Functions under export, and ``ModIndex``
 # (a score_mod's ``table[h]``) while their mods are traced; the op stays whole in the graph
-# and applies them again when the graph runs, so their backward is kept
+# and applies them again when the graph runs, so their backward is kept. functorch wraps a
+# Function applied under vmap (``create_block_mask`` vmaps a mask_mod) in a generated
+# ``Vmapped...`` Function, applied after the Function itself, which is recorded on its own
 _HIGHER_ORDER_OPS = (os.path.dirname(torch._higher_order_ops.__file__),
-                     torch._dynamo._trace_wrapped_higher_order_op.__file__)
+                     torch._dynamo._trace_wrapped_higher_order_op.__file__,
+                     torch._functorch.autograd_function.__file__)
 
 
 def _same_tensor(old, new) -> bool:
