@@ -105,6 +105,20 @@ def hf_llama(attn_implementation: str):
     return tf.LlamaForCausalLM(config)
 
 
+def torchtitan(kind: str):
+    """(model, (tokens,), {"attention_masks": block mask}) of torchtitan 0.3's debug model."""
+    import importlib
+
+    registry = importlib.import_module(f"torchtitan.models.{kind}").model_registry
+    torch.manual_seed(0)
+    model = registry("debugmodel").model.build()
+    model.init_states(buffer_device=None)
+    tokens = torch.randint(0, model.config.vocab_size, (BATCH, 64),
+                           generator=torch.Generator().manual_seed(1))
+    masks = model.get_attention_masks(torch.arange(64).repeat(BATCH, 1))
+    return model, (tokens,), {"attention_masks": masks}
+
+
 def build(name: str, math_impl: bool = False):
     """(model, example inputs) of case ``name``; the same weights for both implementations."""
     if name == "hf_llama_flex":

@@ -14,7 +14,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import tpcompile
-from tpcompile.tools.numerics import compare
+from tpcompile.core.capture import capture
+from tpcompile.tools.numerics import _loss, compare, grad_errors, rel_err
 from zoo import flex_models
 
 
@@ -48,3 +49,29 @@ def _other_mask(tp, inputs) -> str:
     except Exception as e:  # noqa: BLE001 - what the call says is the result
         return f"{type(e).__name__}: {str(e).splitlines()[0]}"
     return ""
+
+
+def titan_cases(rank: int, world_size: int, kinds: list[str]) -> dict:
+    """torchtitan 0.3's debug models: the forward against the unsharded model (under
+    ``no_grad``: torch refuses its flex attention's backward on CPU), every gradient against
+    the unsharded captured graph (the higher-order op's dense backward runs on CPU)."""
+    torch.set_num_threads(1)
+    out = {}
+    for kind in kinds:
+        try:
+            model, inputs, kwargs = flex_models.torchtitan(kind)
+            tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs)
+            with torch.no_grad():
+                output_err = rel_err(tp(*inputs, **kwargs), model(*inputs, **kwargs))
+            whole = capture(model, inputs, kwargs).gm
+            _loss(whole(*inputs, **kwargs)).backward()
+            _loss(tp(*inputs, **kwargs)).backward()
+            reference = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+            out[kind] = {"output_err": output_err,
+                         "grad_errs": grad_errors(tp.full_grads(), reference),
+                         "sharded": sum(p.local_shapes[rank] != p.global_shape
+                                        for p in tp.plan.params.values()),
+                         "params": len(tp.plan.params)}
+        except Exception:  # noqa: BLE001 - returned to the test, which fails with it
+            out[kind] = {"error": traceback.format_exc()[-3000:]}
+    return out
