@@ -285,9 +285,14 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
             copied.__dict__[key] = types.MethodType(value.__func__, copied)
     _own_containers(copied)
     copied.meta = dict(gm.meta)
-    with warnings.catch_warnings():  # torch's own deprecation note on copying pytree specs
-        warnings.simplefilter("ignore", FutureWarning)
+    # the codegen (the call's pytree specs) is shared, not copied: it is never edited, and a
+    # flex-attention BlockMask input's spec holds its mask_mod's globals (modules do not copy)
+    codegen, gm.graph._codegen = gm.graph._codegen, fx.graph.CodeGen()
+    try:
         graph = copy.deepcopy(gm.graph)  # nodes' meta dicts are copied, values shared
+    finally:
+        gm.graph._codegen = codegen
+    graph._codegen = codegen
     # Not ``copied.graph = graph``: that setter regenerates the code, a third of the copy's time
     # on a large graph. The graph is gm's, so gm's code and forward are the copy's until the
     # rewrite's passes edit the graph and ``run_passes`` recompiles it.

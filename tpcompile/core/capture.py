@@ -35,6 +35,9 @@ from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 from tpcompile.compat import stack_traces as recorded_stack_traces
+from tpcompile.core.block_masks import (
+    flex_capture, flex_sizes_fixed, register_block_mask, static_leaves,
+)
 from tpcompile.core.cache_configs import cache_hint, caches_off
 from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
@@ -121,7 +124,7 @@ def _auto(x, static: tuple[int, ...]):
         return {k: _auto(v, static) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
         return type(x)(_auto(v, static) for v in x)
-    return None
+    return static_leaves(x)  # a BlockMask: its tensors static, None for a non-tensor
 
 
 # torch.export's loggers whose warnings speak of choices capture made, not the user: a size-1
@@ -160,7 +163,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: 
         shapes = {name: _auto(value, static)
                   for name, value in _named_inputs(model, args, kwargs).items()}
     with (warnings.catch_warnings(), _export_logs_quiet(),
-          recorded_stack_traces(stack_traces) as settle, checkpoint_marks(model) as regions):
+          recorded_stack_traces(stack_traces) as settle, checkpoint_marks(model) as regions,
+          flex_capture()):
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
                                  strict=False)
@@ -183,10 +187,14 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected an nn.Module, got {type(model).__name__}")
+    register_block_mask()
     device = _model_device(model)
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
     notes: list[str] = []
+    if dynamic and (fixed := flex_sizes_fixed(model)):
+        dynamic = False
+        notes.append(fixed)
     if dynamic:
         notes += _specialised_sizes(model, args, kwargs, static_dims)
     try:
@@ -275,6 +283,8 @@ def _specialised_sizes(model: nn.Module, args: tuple, kwargs: dict, static: tupl
         return []
     out = []
     for name, value in bound.items():
+        if static_leaves(value) is not None:  # a BlockMask: built for its sizes, kept static
+            continue
         for t in tree_leaves(value):
             if not isinstance(t, torch.Tensor):
                 continue

@@ -28,6 +28,8 @@ import sys
 import threading
 
 import torch
+import torch._dynamo._trace_wrapped_higher_order_op  # ModIndex (see _HIGHER_ORDER_OPS)
+import torch._functorch.autograd_function
 from torch import nn
 
 from tpcompile.errors import CaptureError
@@ -36,6 +38,14 @@ __all__ = ["forward_state_guard", "custom_function_calls", "custom_functions_ver
 
 _STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, training...
 _CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
+# higher-order ops (flex attention) apply their own Functions under export, and ``ModIndex``
+# (a score_mod's ``table[h]``) while their mods are traced; the op stays whole in the graph
+# and applies them again when the graph runs, so their backward is kept. functorch wraps a
+# Function applied under vmap (``create_block_mask`` vmaps a mask_mod) in a generated
+# ``Vmapped...`` Function, applied after the Function itself, which is recorded on its own
+_HIGHER_ORDER_OPS = (os.path.dirname(torch._higher_order_ops.__file__),
+                     torch._dynamo._trace_wrapped_higher_order_op.__file__,
+                     torch._functorch.autograd_function.__file__)
 
 
 def _same_tensor(old, new) -> bool:
@@ -114,8 +124,9 @@ def custom_function_calls():
     error): detecting the Functions from the captured nodes' stack traces instead would need
     torch.export to record a stack trace per node, a sixth of a capture's time. A Function
     that overrides ``apply`` itself is not seen. torch's custom-op machinery applies its own
-    Functions around ops registered with ``torch.library.custom_op``; those ops stay whole in
-    the graph with their registered backward, so those Functions are not recorded.
+    Functions around ops registered with ``torch.library.custom_op``, and higher-order ops
+    (``flex_attention``) around themselves; those ops stay whole in the graph with their
+    backward, so those Functions are not recorded.
     """
     original = torch.autograd.Function.__dict__["apply"]
     thread, calls = threading.get_ident(), []
@@ -123,7 +134,8 @@ def custom_function_calls():
     def apply(cls, *args, **kwargs):
         forward = getattr(cls.forward, "__code__", None)
         if threading.get_ident() == thread and not (
-                forward is not None and forward.co_filename.startswith(_CUSTOM_OP_MACHINERY)):
+                forward is not None
+                and forward.co_filename.startswith((_CUSTOM_OP_MACHINERY, *_HIGHER_ORDER_OPS))):
             caller = sys._getframe(1)
             calls.append((cls.__qualname__, f"{caller.f_code.co_filename}:{caller.f_lineno}"))
         return original.__get__(None, cls)(*args, **kwargs)

@@ -150,14 +150,16 @@ def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
 def _heads(node: fx.Node, features: int) -> int | None:
     """The heads ``node``'s ``features`` are viewed as: a view whose trailing dims (heads,
     head_dim) multiply to them, reached through views and same-shape sums and scalings (a LoRA
-    factor's output added to its base's, a cast); None when they are never viewed so."""
+    factor's output added to its base's, a cast); None when they are never viewed so. The
+    heads are every trailing dim but head_dim: torchtitan's fused qkv piece is (kv heads, 1,
+    head_dim)."""
     todo = [node]
     while todo:
         n = todo.pop()
         dims = _sizes(n)
         for k in range(len(dims) - 2, 0, -1):
             if None not in dims[k:] and math.prod(dims[k:]) == features:
-                return dims[-2]
+                return math.prod(dims[k:-1])
         todo.extend(u for u in n.users if is_view(u) or (
             u.target in _SUMS and _sizes(u) == dims))
     return None

@@ -46,13 +46,7 @@ def _sdpa(op):
     mask = op.node.args[3] if len(op.node.args) > 3 else op.node.kwargs.get("attn_mask")
     hq, hk = shape(q)[-3], shape(k)[-3]
     pq = op.placement(q)
-    if isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3:
-        # a fused qkv's k / v chunk cut inside its heads while q is cut by heads: that chunk
-        # is kept whole (a k_proj of its own: below)
-        inside = [p.layout for x in (k, v) if isinstance(p := op.placement(x), Shard)
-                  and p.dim == len(shape(x)) - 1 and op.is_chunk(p.layout)]
-        op.require_whole("k / v are cut inside their heads while the query heads are cut: each "
-                         "rank reads whole kv heads", *inside)
+    kv_read_whole(op, q, k, v)
     causal = op.node.args[5] if len(op.node.args) > 5 else op.node.kwargs.get("is_causal", False)
     if not (isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3) or hq == hk:
         # is_causal masks by *local* query index: query rows cut by position (sequence
@@ -71,6 +65,28 @@ def _sdpa(op):
                 op.require(arg, Replicate())
             return Replicate()
         return einsum_rule(op, operands, labels(q, ["h", "l", "f"]))
+    per_head = [(mask, len(shape(mask)) - 3)] if isinstance(mask, fx.Node) and \
+        len(shape(mask)) >= 3 and shape(mask)[-3] == hq else []
+    return Shard(pq.dim, grouped_heads(op, q, k, v, per_head))
+
+
+def kv_read_whole(op, q, k, v) -> None:
+    """A fused qkv's k / v chunk cut inside its heads while q is cut by heads: that chunk is
+    kept whole (a k_proj of its own is handled by :func:`grouped_heads`)."""
+    pq = op.placement(q)
+    if isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3:
+        inside = [p.layout for x in (k, v) if isinstance(p := op.placement(x), Shard)
+                  and p.dim == len(shape(x)) - 1 and op.is_chunk(p.layout)]
+        op.require_whole("k / v are cut inside their heads while the query heads are cut: each "
+                         "rank reads whole kv heads", *inside)
+
+
+def grouped_heads(op, q, k, v, per_head: list[tuple[fx.Node, int]]) -> Layout:
+    """Grouped-query attention with q cut by heads: the layout of each rank's query heads, with
+    k and v required on the kv heads those read, and ``per_head`` (tensor, heads dim) operands
+    on the query heads."""
+    hq, hk = shape(q)[-3], shape(k)[-3]
+    pq = op.placement(q)
     hd = len(shape(k)) - 3
     target = pq.layout
     kv = [op.placement(k), op.placement(v)]
@@ -80,8 +96,8 @@ def _sdpa(op):
         repeated = [merge_layout(p.layout, hq // hk) for p in kv]
         target = op.unify([(q, pq.layout)] + list(zip((k, v), repeated)))
         if all(op.specs.same(target, r) for r in repeated):
-            _require_sdpa_heads(op, q, mask, hq, target)
-            return Shard(pq.dim, target)
+            _require_heads(op, [(q, pq.dim)] + per_head, target)
+            return target
     # each rank slices the kv heads its query heads read (several ranks may read the same)
     group = replace(target, size=hk, scale=target.scale * (hq // hk), rep=1, cover=True)
     for p in kv:  # kv heads that cannot follow the query heads' cut are computed whole
@@ -90,12 +106,11 @@ def _sdpa(op):
                                      f"{op.specs.world_size} ranks: each rank reads whole kv heads")
     op.require(k, Shard(hd, group))
     op.require(v, Shard(hd, group))
-    _require_sdpa_heads(op, q, mask, hq, target)
-    return Shard(pq.dim, target)
+    _require_heads(op, [(q, pq.dim)] + per_head, target)
+    return target
 
 
-def _require_sdpa_heads(op, q, mask, hq: int, layout: Layout) -> None:
-    """q, and a mask with a head dim, on the heads ``layout`` gives each rank."""
-    op.require(q, Shard(len(shape(q)) - 3, layout))
-    if isinstance(mask, fx.Node) and len(shape(mask)) >= 3 and shape(mask)[-3] == hq:
-        op.require(mask, Shard(len(shape(mask)) - 3, layout))
+def _require_heads(op, operands: list[tuple[fx.Node, int]], layout: Layout) -> None:
+    """Each (tensor, heads dim) of ``operands`` on the heads ``layout`` gives each rank."""
+    for x, dim in operands:
+        op.require(x, Shard(dim, layout))

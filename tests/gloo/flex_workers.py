@@ -1,0 +1,77 @@
+"""Rank-side bodies of ``test_flex_attention.py``: flex attention blocks on gloo ranks.
+
+Each case parallelizes a block of ``zoo/flex_models.py`` written with ``flex_attention`` and
+compares it with the same weights computing the same attention in plain tensor ops (the
+reference CPU can differentiate): the output and every gradient. A case whose block mask is a
+call input is then called with a mask of another ``mask_mod``: what the module says.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import tpcompile
+from tpcompile.core.capture import capture
+from tpcompile.tools.numerics import _loss, compare, grad_errors, rel_err
+from zoo import flex_models
+
+
+def flex_cases(rank: int, world_size: int, names: list[str]) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name in names:
+        try:
+            model, inputs = flex_models.build(name)
+            reference, _ = flex_models.build(name, math_impl=True)
+            tp = tpcompile.parallelize(model, inputs)
+            c = compare(reference, tp, inputs)
+            out[name] = {"output_err": c.output_err, "grad_errs": c.grad_errs,
+                         "collectives": c.collectives, "other_mask": _other_mask(tp, inputs),
+                         "sharded": sorted(n for n, p in tp.plan.params.items()
+                                           if p.local_shapes[rank] != p.global_shape)}
+        except Exception:  # noqa: BLE001 - returned to the test, which fails with it
+            out[name] = {"error": traceback.format_exc()[-3000:]}
+    return out
+
+
+def _other_mask(tp, inputs) -> str:
+    """The error a call with a block mask of another ``mask_mod`` raises ('' if it ran)."""
+    if len(inputs) < 2:
+        return "no mask input"
+    seq = inputs[0].shape[1]
+    mask = create_block_mask(flex_models.local_window, None, None, seq, seq, device="cpu")
+    try:
+        with torch.no_grad():
+            tp(inputs[0], mask)
+    except Exception as e:  # noqa: BLE001 - what the call says is the result
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return ""
+
+
+def titan_cases(rank: int, world_size: int, kinds: list[str]) -> dict:
+    """torchtitan 0.3's debug models: the forward against the unsharded model (under
+    ``no_grad``: torch refuses its flex attention's backward on CPU), every gradient against
+    the unsharded captured graph (the higher-order op's dense backward runs on CPU)."""
+    torch.set_num_threads(1)
+    out = {}
+    for kind in kinds:
+        try:
+            model, inputs, kwargs = flex_models.torchtitan(kind)
+            tp = tpcompile.parallelize(model, inputs, example_kwargs=kwargs)
+            with torch.no_grad():
+                output_err = rel_err(tp(*inputs, **kwargs), model(*inputs, **kwargs))
+            whole = capture(model, inputs, kwargs).gm
+            _loss(whole(*inputs, **kwargs)).backward()
+            _loss(tp(*inputs, **kwargs)).backward()
+            reference = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+            out[kind] = {"output_err": output_err,
+                         "grad_errs": grad_errors(tp.full_grads(), reference),
+                         "sharded": sum(p.local_shapes[rank] != p.global_shape
+                                        for p in tp.plan.params.values()),
+                         "params": len(tp.plan.params)}
+        except Exception:  # noqa: BLE001 - returned to the test, which fails with it
+            out[kind] = {"error": traceback.format_exc()[-3000:]}
+    return out
