@@ -32,6 +32,7 @@ from tpcompile.core.block_kinds import block_period, not_identical, signatures
 from tpcompile.core.block_paths import block_of
 from tpcompile.core.capture import Capture, _fetch, attribute_info, capture
 from tpcompile.core.subclass_weights import subclass_part, subclass_parts
+from tpcompile.errors import TPCompileError
 
 __all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "REUSED"]
 
@@ -62,8 +63,20 @@ def _truncated(model: nn.Module, path: str, blocks: nn.ModuleList, keep: int) ->
         child._modules = dict(child._modules)
         holder._modules[name] = child
         holder = child
-    holder._modules[leaf] = nn.ModuleList(list(blocks)[:keep])
+    shortened = nn.ModuleList(list(blocks)[:keep])
+    shortened.__class__, shortened.whole_length = _Shortened, len(blocks)
+    holder._modules[leaf] = shortened
     return root
+
+
+class _Shortened(nn.ModuleList):
+    """The first blocks of a list, whose ``len()`` is the whole list's: a forward that counts
+    its blocks (``1 / len(self.layers)``) traces as it does with all of them, and one that
+    indexes a block past the kept ones raises, so the model is captured whole. A slice of it
+    (``self.layers[:n]``) is built by ``ModuleList`` itself and has its own length."""
+
+    def __len__(self) -> int:
+        return self.__dict__.get("whole_length", len(self._modules))
 
 
 def _number(name: str) -> tuple[str, int]:
@@ -277,8 +290,12 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
     period = None if sigs is None else block_period(sigs)
     if period is None:
         return _whole(path, not_identical(sigs), model, example_inputs, example_kwargs, **kwargs)
-    short = capture(_truncated(model, path, blocks, KEEP * period), example_inputs,
-                    example_kwargs, **kwargs)
+    try:
+        short = capture(_truncated(model, path, blocks, KEEP * period), example_inputs,
+                        example_kwargs, **kwargs)
+    except TPCompileError as e:  # a block read by index past the kept ones, or the model's own
+        why = f"the first {KEEP * period} blocks alone did not capture: {str(e).splitlines()[0]}"
+        return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
     stamper = _Stamper(short, path, len(blocks) // period, period)
     why = stamper.unusable()
     if why is not None:
