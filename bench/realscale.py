@@ -2,6 +2,7 @@
 
     python -m bench.realscale             # -> results/realscale-<date>.md, .json
     python -m bench.realscale --profile   # also cProfile's top functions of the 8B plan
+    python -m bench.realscale --reused-only   # the default path only -> realscale-<date>-reused
 
 ``tpcompile.plan_model`` (its defaults: dynamic batch and sequence, block reuse) of
 ``transformers.LlamaForCausalLM`` built on the meta device with the Llama-3 8B (32 layers),
@@ -117,10 +118,12 @@ def main(argv=None) -> dict:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--profile", action="store_true", help="cProfile the 8B plan too")
+    p.add_argument("--reused-only", action="store_true",
+                   help="only the default (reused blocks) points: a minute, not several")
     args = p.parse_args(argv)
     load = os.getloadavg()
     rows = []
-    for shape, layers, reuse in POINTS:
+    for shape, layers, reuse in [pt for pt in POINTS if pt[2] or not args.reused_only]:
         rows.append(_in_subprocess(f"measure({shape!r}, {layers}, {args.world_size}, "
                                    f"{args.seq}, {reuse})", module="realscale"))
         print(f"  {shape} {layers} layers reuse={reuse}: {rows[-1]['total_s']:.2f} s",
@@ -136,8 +139,9 @@ def main(argv=None) -> dict:
         result["profile"] = _in_subprocess("profile()", module="realscale")
         text += "\n```\n" + result["profile"] + "```\n"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"realscale-{date}.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / f"realscale-{date}.md").write_text(text)
+    stem = f"realscale-{date}" + ("-reused" if args.reused_only else "")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{stem}.md").write_text(text)
     print(text)
     return result
 
