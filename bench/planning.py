@@ -114,8 +114,9 @@ def measure_export(shape: str, layers: int, seq: int, mode: str) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _in_subprocess(call: str) -> dict:
-    code = f"import json; from bench import planning; print(json.dumps(planning.{call}))"
+def _in_subprocess(call: str, module: str = "planning") -> dict:
+    """``bench.<module>.<call>``'s dict, computed in a fresh Python process."""
+    code = f"import json; from bench import {module}; print(json.dumps({module}.{call}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -196,16 +196,17 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass],
 
 def plan(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
          options: PlanOptions = PlanOptions(), dynamic: bool = True, stack_traces: bool = False,
-         reuse_blocks: bool = False, record: bool | Callable[[fx.GraphModule], str] = False,
+         reuse_blocks: bool = True, record: bool | Callable[[fx.GraphModule], str] = False,
          progress: Callable[[str], None] = lambda message: None) -> Planned:
     """Capture ``model``, run :data:`PREPARE_PASSES`, and plan for ``world_size`` ranks.
 
     ``progress`` receives a line once the graph is captured (planning a large model takes a
     while after that). ``stack_traces``: keep model lines in the graph, for the planner's
     reasons (a sixth of export's time, so inspection asks for it and ``parallelize`` does not).
-    ``reuse_blocks``: export three of the model's identical blocks and repeat block 2's graph
-    for the others (:mod:`tpcompile.core.stamp`): the same graph and plan, in a time that
-    hardly grows with depth.
+    ``reuse_blocks`` (default): export three of the model's identical blocks (or groups of
+    blocks) and repeat block 2's graph for the others (:mod:`tpcompile.core.stamp`): the same
+    graph and plan, in a time that hardly grows with depth; blocks that differ are captured
+    whole, with a note in the plan saying why. False always captures the whole model.
     """
     if isinstance(model, TPModule):
         raise CaptureError(

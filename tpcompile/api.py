@@ -57,15 +57,16 @@ def resolve_group(mesh=None):
 
 
 def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs=None, *,
-               dynamic: bool = True, reuse_blocks: bool = False, **options) -> tuple:
+               dynamic: bool = True, reuse_blocks: bool = True, **options) -> tuple:
     """Capture ``model`` and plan it for ``world_size`` ranks; no process group needed.
 
     Returns ``(cap, plan)``: the planned capture (``cap.gm`` is the graph the plan names) and
     the :class:`ShardingPlan`. ``options``: ``vocab_parallel``, ``loss_parallel``,
     ``sequence_parallel``, ``experts`` (see :class:`PlanOptions`). ``dynamic=False`` captures at the
     example's sizes only: the same plan, 2.5x faster on a large model, for planning that
-    never runs the graph at other sizes. ``reuse_blocks=True`` exports three of the model's
-    identical blocks and repeats one (:mod:`tpcompile.core.stamp`): the same plan, faster.
+    never runs the graph at other sizes. ``reuse_blocks`` (default) exports three of the
+    model's identical blocks and repeats one (:mod:`tpcompile.core.stamp`): the same plan,
+    faster; False exports every block.
     """
     planned = pipeline.plan(model, example_inputs, world_size, example_kwargs,
                             options=PlanOptions(**options), dynamic=dynamic,
@@ -88,7 +89,7 @@ def rewrite(model: nn.Module, example_inputs, world_size: int, rank: int,
 def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwargs=None,
                 vocab_parallel: bool = False, loss_parallel: bool = False,
                 sequence_parallel: bool = False, check_calls: str = "new",
-                reuse_blocks: bool = False, activation_checkpointing: str | None = None,
+                reuse_blocks: bool = True, activation_checkpointing: str | None = None,
                 experts: str = "tensor") -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
@@ -111,8 +112,9 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
             each new signature, ``"every"`` every call (which also names a rank that skipped a
             call or a backward). See docs/guarantees.md.
         reuse_blocks: capture three of the model's identical blocks with torch.export and
-            repeat one's graph for the others: the same graph and plan, in a planning time
-            that hardly grows with depth (falls back to a whole capture when blocks differ).
+            repeat one's graph for the others (the default): the same graph and plan, in a
+            planning time that hardly grows with depth (a whole capture when blocks differ,
+            the plan's notes say why); False exports every block.
         activation_checkpointing: None keeps the model's own ``torch.utils.checkpoint``
             regions (and Hugging Face's ``gradient_checkpointing_enable()``) checkpointed, on
             the shards; ``"full"`` checkpoints each repeated block (``layers.0``, ...) of a

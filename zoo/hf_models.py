@@ -54,6 +54,15 @@ def hf_model(name: str):
 
     torch.manual_seed(0)
     small = dict(max_position_embeddings=64)
+    if name == "llama_deep":  # 4 identical layers: captured reusing blocks (core/stamp.py)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4, **small))
+    if name == "gemma2_alternating":  # 8 layers, sliding (window 4) and full: period 2
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=8, sliding_window=4,
+            tie_word_embeddings=False, attn_implementation="eager", **small))
     if name.startswith("llama"):
         kv = {"llama": 2, "llama_mqa": 1, "llama_uneven": 2}[name]
         vocab, inter = (50257, 11008) if name == "llama_uneven" else (128, 128)

@@ -16,14 +16,15 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 CASES = [("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
-         ("bert_model", False), ("mixtral", False),
+         ("bert_model", False), ("mixtral", False), ("llama_deep", False),
+         ("gemma2_alternating", False),
          ("llama", True), ("gpt2", True), ("bert", True),
          ("t5", False), ("bart", False), ("whisper", False)]
 # at 4 ranks CI runs every model of the README's support table (its numerics column names this
 # file), the cases whose plan differs from 2 ranks' (fewer KV heads than ranks) and one traced
 # loss; the others run at 4 ranks with -m slow (CI time)
 AT_4_IN_CI = {("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
-              ("mixtral", False), ("llama", True), ("gpt2", True)}
+              ("mixtral", False), ("llama", True), ("gpt2", True), ("llama_deep", False)}
 
 
 # BART and Whisper hold one config object (they captured before the config switch reached
@@ -62,6 +63,19 @@ def test_logits_and_gradients_match(results, ws, name):
         assert c["output_err"] <= 1e-5
         worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
+
+
+@pytest.mark.parametrize("ws, name", _params(["llama_deep", "gemma2_alternating"], False))
+def test_reused_blocks_run_exact(results, ws, name):
+    """Captured by default reusing blocks (three blocks, or for Gemma-2's alternating sliding
+    and full attention three groups of two, exported; the rest stamped): sharded and exact."""
+    layers = {"llama_deep": 4, "gemma2_alternating": 8}[name]
+    for c in _cases(results, ws, (name, False)):
+        assert c["reused"] == ("model.layers", layers), c.get("error", c["notes"])
+        assert c["output_err"] <= 1e-5
+        worst = max(c["grad_errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert {"colwise", "rowwise"} <= set(c["styles"].values())
 
 
 @pytest.mark.parametrize("ws, name", _params(["t5", "bart", "whisper"], False))

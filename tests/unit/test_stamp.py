@@ -1,6 +1,9 @@
-"""Capture reusing blocks (core/stamp.py): the same graph and plan as a whole export."""
+"""Capture reusing blocks (core/stamp.py, the default): the same graph and plan as a whole
+export (``reuse_blocks=False``)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ from tpcompile.tools import models
 
 def _both(model, world_size: int, **options):
     x = models.example_inputs(model)
-    whole = pipeline.plan(model, x, world_size, options=PlanOptions(**options))
+    whole = pipeline.plan(model, x, world_size, options=PlanOptions(**options),
+                          reuse_blocks=False)
     reused = pipeline.plan(model, x, world_size, options=PlanOptions(**options), reuse_blocks=True)
     return whole, reused
 
@@ -35,13 +39,16 @@ def test_reused_plan_equals_the_whole_graph_plan_on_4_layers(name, options):
     assert reused.cap.aliases == whole.cap.aliases and reused.cap.params == whole.cap.params
 
 
-def test_blocks_that_differ_are_captured_whole():
+def test_blocks_that_differ_are_captured_whole_and_the_plan_says_why():
     model = models.build("llama", n_layers=4)
     model.layers[3].feed_forward.w2 = nn.Linear(128, 64, bias=False)  # same shapes, ...
     model.layers[3].feed_forward.w2.extra = 1                           # ... another attribute
     whole, reused = _both(model, 2)
     assert REUSED not in reused.cap.gm.meta
-    assert reused.plan.to_json() == whole.plan.to_json()
+    (note,) = reused.plan.notes
+    assert note.startswith("layers: captured whole") and "block 3 differs from block 1 " \
+        "(feed_forward.w2)" in note, note
+    assert replace(reused.plan, notes=()).to_json() == whole.plan.to_json()
     x = models.example_inputs(model)
     assert torch.equal(reused.cap.gm(*x), whole.cap.gm(*x))
 
@@ -63,7 +70,76 @@ class ReadsTheSecondToLastBlock(nn.Module):
 
 def test_a_read_of_another_than_the_last_block_is_captured_whole():
     model, x = ReadsTheSecondToLastBlock(), (torch.randn(2, 8),)
-    whole = pipeline.plan(model, x, 2)
+    whole = pipeline.plan(model, x, 2, reuse_blocks=False)
     reused = pipeline.plan(model, x, 2, reuse_blocks=True)
     assert REUSED not in reused.cap.gm.meta
+    assert "reads a block other than the one before it" in reused.plan.notes[0]
     assert reused.cap.gm.code == whole.cap.gm.code
+
+
+class Indexed(nn.Module):
+    """A block that knows its index (as Hugging Face's ``layer_idx``) and, in the pattern
+    ``kinds``, whether it adds its input back (two kinds of block that alternate)."""
+
+    def __init__(self, index: int, kinds: str):
+        super().__init__()
+        self.layer_idx, self.residual = index, kinds[index % len(kinds)] == "r"
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) + x if self.residual else self.proj(x).relu()
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int, kinds: str):
+        super().__init__()
+        self.layers = nn.ModuleList(Indexed(i, kinds) for i in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("n, kinds, reused", [(4, "r", True), (8, "rp", True), (12, "rrp", True),
+                                              (6, "rp", False), (8, "rrp", False)])
+def test_blocks_with_their_index_and_alternating_kinds_are_stamped_by_period(n, kinds, reused):
+    """``layer_idx`` is no difference; a pattern that repeats is stamped a period at a time
+    (three periods exported); a pattern that does not divide the blocks, or repeats fewer than
+    four times, is captured whole with a note."""
+    model, x = Stack(n, kinds), (torch.randn(2, 8),)
+    whole, stamped = pipeline.plan(model, x, 2, reuse_blocks=False), pipeline.plan(model, x, 2)
+    assert (REUSED in stamped.cap.gm.meta) == reused
+    assert stamped.cap.gm.code == whole.cap.gm.code
+    assert replace(stamped.plan, notes=()).to_json() == whole.plan.to_json()
+    assert bool(stamped.plan.notes) != reused
+    torch.testing.assert_close(stamped.cap.gm(*x), whole.cap.gm(*x), rtol=0, atol=0)
+
+
+class Counts(nn.Module):
+    """Its forward counts the blocks (a scale) or reads the last one by index."""
+
+    def __init__(self, by_index: bool):
+        super().__init__()
+        self.by_index = by_index
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        if self.by_index:
+            return x + self.layers[len(self.layers) - 1].bias
+        return x / len(self.layers)
+
+
+@pytest.mark.parametrize("by_index", [False, True])
+def test_a_forward_that_counts_or_indexes_its_blocks_gets_the_whole_graph(by_index):
+    """The exported copy's list has the whole list's length: a count traces as in the whole
+    model; an index past the kept blocks fails that capture, and the model is captured whole."""
+    model, x = Counts(by_index), (torch.randn(2, 8),)
+    whole, stamped = pipeline.plan(model, x, 2, reuse_blocks=False), pipeline.plan(model, x, 2)
+    assert (REUSED in stamped.cap.gm.meta) != by_index
+    assert ("did not capture" in " ".join(stamped.plan.notes)) == by_index
+    assert stamped.cap.gm.code == whole.cap.gm.code
+    torch.testing.assert_close(stamped.cap.gm(*x), whole.cap.gm(*x), rtol=0, atol=0)
+    torch.testing.assert_close(stamped.cap.gm(*x), model(*x), rtol=0, atol=0)

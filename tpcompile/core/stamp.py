@@ -6,13 +6,15 @@ the model that keeps only blocks 0, 1 and 2 of its ``ModuleList`` (the same bloc
 weights copied), check that block 2's graph is block 1's, node for node (ops, arguments,
 shapes), and build the whole model's graph by repeating block 2's nodes for blocks 2 .. n-1
 with their own weights. Names follow torch.export's own numbering (``linear_7``, ``linear_14``,
-...), so the graph, and every plan made on it, is the one a whole export gives: the test
-``tests/unit/test_stamp.py`` compares the plans tensor by tensor and conversion by conversion.
+...), so the graph, and every plan made on it, is the one a whole export gives: the tests
+``tests/unit/test_stamp.py`` and ``tests/unit/test_stamp_families.py`` compare the plans.
 
-Blocks are reused only when they are identical in structure: same module classes, same
-parameter and buffer names, shapes and dtypes, the same plain attributes, no hooks. Otherwise,
-or with fewer than :data:`MIN_BLOCKS` blocks, or when the blocks' nodes are interleaved, the
-whole model is captured as before; ``cap.gm.meta[REUSED]`` is set only when blocks were reused.
+Blocks are reused only when they are identical in structure (:mod:`tpcompile.core.block_kinds`:
+a ``layer_idx`` is no difference; blocks that alternate, such as sliding and full attention
+layers, are repeated as groups of one period: three groups exported, group 2 stamped).
+Otherwise, or when the blocks' nodes are interleaved or their graphs differ, the whole model
+is captured and the plan's notes say why; ``cap.gm.meta[REUSED]`` is set only when blocks
+were reused. A model without a list of at least :data:`MIN_BLOCKS` blocks is captured whole.
 """
 
 from __future__ import annotations
@@ -26,39 +28,32 @@ from dataclasses import replace
 import torch
 from torch import fx, nn
 
+from tpcompile.core.block_kinds import block_period, not_identical, signatures
 from tpcompile.core.block_paths import block_of
 from tpcompile.core.capture import Capture, fetch, attribute_info, capture
 from tpcompile.core.subclass_weights import subclass_part, subclass_parts
+from tpcompile.errors import TPCompileError
 
 __all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "REUSED"]
 
 REUSED = "tpcompile_reused_blocks"  # gm.meta key: (block list path, blocks) when reused
 
 MIN_BLOCKS = 4  # with fewer, three exported blocks save nothing
-KEEP = 3        # blocks exported: the first, a middle one, and the template (block 2)
+KEEP = 3        # groups exported: the first, a middle one, and the template (group 2)
 
 
 def _block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The model's one outermost list of at least :data:`MIN_BLOCKS` modules (the lists inside
+    its blocks, such as an MoE block's experts, are part of each block)."""
     lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) >= MIN_BLOCKS]
-    return lists[0] if len(lists) == 1 else None
+             if name and isinstance(m, nn.ModuleList) and len(m) >= MIN_BLOCKS]
+    outer = [(name, m) for name, m in lists
+             if not any(name.startswith(other + ".") for other, _ in lists)]
+    return outer[0] if len(outer) == 1 else None
 
 
-def _signature(block: nn.Module):
-    """What must agree for two blocks to trace to the same graph."""
-    out = []
-    for name, m in block.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks:
-            return None
-        plain = {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
-        tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad)
-                   for n, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None]
-        out.append((name, type(m), repr(sorted(plain.items(), key=lambda kv: kv[0])), tensors))
-    return out
-
-
-def _truncated(model: nn.Module, path: str, blocks: nn.ModuleList) -> nn.Module:
-    """``model`` whose block list at ``path`` keeps its first :data:`KEEP` blocks (shared)."""
+def _truncated(model: nn.Module, path: str, blocks: nn.ModuleList, keep: int) -> nn.Module:
+    """``model`` whose block list at ``path`` keeps its first ``keep`` blocks (shared)."""
     root = copy.copy(model)
     root._modules = dict(root._modules)
     *parents, leaf = path.split(".")
@@ -68,8 +63,20 @@ def _truncated(model: nn.Module, path: str, blocks: nn.ModuleList) -> nn.Module:
         child._modules = dict(child._modules)
         holder._modules[name] = child
         holder = child
-    holder._modules[leaf] = nn.ModuleList(list(blocks)[:KEEP])
+    shortened = nn.ModuleList(list(blocks)[:keep])
+    shortened.__class__, shortened.whole_length = _Shortened, len(blocks)
+    holder._modules[leaf] = shortened
     return root
+
+
+class _Shortened(nn.ModuleList):
+    """The first blocks of a list, whose ``len()`` is the whole list's: a forward that counts
+    its blocks (``1 / len(self.layers)``) traces as it does with all of them, and one that
+    indexes a block past the kept ones raises, so the model is captured whole. A slice of it
+    (``self.layers[:n]``) is built by ``ModuleList`` itself and has its own length."""
+
+    def __len__(self) -> int:
+        return self.__dict__.get("whole_length", len(self._modules))
 
 
 def _number(name: str) -> tuple[str, int]:
@@ -93,51 +100,68 @@ def _relabel(meta: dict, old: str, new: str) -> dict:
 
 
 class _Stamper:
-    """Builds the n-block graph from the 3-block capture ``cap``."""
+    """Builds the graph of ``n`` groups of ``period`` blocks from the capture ``cap`` of the
+    first :data:`KEEP` groups."""
 
-    def __init__(self, cap: Capture, path: str, n: int):
-        self.cap, self.path, self.n = cap, path, n
-        self.blocks = [f"{path}.{i}" for i in range(KEEP)]
-        nodes = list(cap.gm.graph.nodes)
-        compute = [x for x in nodes if x.op not in ("get_attr", "placeholder", "output")]
-        self.runs = {b: [x for x in compute if block_of(x, self.blocks) == b] for b in self.blocks}
-        template = self.runs[self.blocks[2]]
-        self.per_block = {}  # name base -> nodes of that base in one block
-        for x in template:
+    def __init__(self, cap: Capture, path: str, n: int, period: int):
+        self.cap, self.path, self.n, self.period = cap, path, n, period
+        self.paths = [f"{path}.{i}" for i in range(KEEP * period)]
+        compute = [x for x in cap.gm.graph.nodes if x.op not in ("get_attr", "placeholder", "output")]
+        self.runs = {g: [] for g in range(KEEP)}  # group -> its nodes, in graph order
+        for x in compute:
+            block = block_of(x, self.paths)
+            if block is not None:
+                self.runs[self.paths.index(block) // period].append(x)
+        self.per_group = {}  # name base -> nodes of that base in one group
+        for x in self.runs[2]:
             base = _number(x.name)[0]
-            self.per_block[base] = self.per_block.get(base, 0) + 1
+            self.per_group[base] = self.per_group.get(base, 0) + 1
 
-    def usable(self) -> bool:
-        """Block 2 traced to block 1's graph, each block's nodes are contiguous, and values
-        flow only from a block to the next (and from the last block to the rest): a read of
-        ``layers[-2]``'s output would name block 1 here and block n-2 in the whole model."""
+    def _within(self, target: str, group: int) -> tuple[int, str] | None:
+        """(block in the group, the rest of the name) of a name under ``group``'s blocks."""
+        for r in range(self.period):
+            prefix = f"{self.path}.{group * self.period + r}."
+            if target.startswith(prefix):
+                return r, target[len(prefix):]
+        return None
+
+    def _block(self, group: int, r: int) -> str:
+        return f"{self.path}.{group * self.period + r}"
+
+    def unusable(self) -> str | None:
+        """Why group 2 cannot be repeated, or None: it must trace to group 1's graph, each
+        group's nodes must be contiguous, and values must flow only from a group to the next
+        (and from the last to the rest): a read of ``layers[-2]``'s output would name block 1
+        here and block n-2 in the whole model."""
         order = {x: i for i, x in enumerate(self.cap.gm.graph.nodes)}
         for group in self.runs.values():
             if not group or order[group[-1]] - order[group[0]] + 1 != len(group):
-                return False
-        run_of = {x: i for i, b in enumerate(self.blocks) for x in self.runs[b]}
+                return "the blocks' nodes are interleaved in the graph"
+        run_of = {x: g for g, run in self.runs.items() for x in run}
         for x in self.cap.gm.graph.nodes:
             reader = run_of.get(x)
             for a in x.all_input_nodes:
                 source = run_of.get(a)
                 if source is not None and (source != KEEP - 1 if reader is None
                                            else reader - source not in (0, 1)):
-                    return False
-        return self._key(1) == self._key(2)
+                    return f"{x.name} reads a block other than the one before it"
+        if self._key(1) != self._key(2):
+            return "the exported blocks trace to different graphs"
+        return None
 
     def _key(self, i: int):
-        run, prev = self.runs[self.blocks[i]], self.runs[self.blocks[i - 1]]
-        local, before = {x: k for k, x in enumerate(run)}, {x: k for k, x in enumerate(prev)}
-        prefix = self.blocks[i] + "."
+        run, prev = self.runs[i], self.runs[i - 1]
+        local = {x: k for k, x in enumerate(run)}
+        before = {x: k - len(prev) for k, x in enumerate(prev)}  # from its end: group 0 may
+        # hold nodes of its own (what the model runs before the blocks, traced in block 0)
 
         def arg(a):
             if a in local:
                 return ("here", local[a])
             if a in before:
                 return ("previous", before[a])
-            if a.op == "get_attr" and a.target.startswith(prefix):
-                return ("weight", a.target[len(prefix):])
-            return ("shared", a.name)
+            weight = self._within(a.target, i) if a.op == "get_attr" else None
+            return ("weight", weight) if weight else ("shared", a.name)
 
         out = []
         for x in run:
@@ -148,35 +172,34 @@ class _Stamper:
 
     def graph(self) -> fx.Graph:
         g, env = fx.Graph(), {}
-        template, first = self.blocks[2], self.runs[self.blocks[2]][0]
-        segment_ending = self._attr_segments(template)
-        later = self.n - KEEP  # blocks stamped after the template
+        first = self.runs[2][0]
+        segment_ending = self._attr_segments()
+        later = self.n - KEEP  # groups stamped after the template
 
-        def shifted(x: fx.Node, blocks_later: int) -> str:
+        def shifted(x: fx.Node, groups_later: int) -> str:
             base, number = _number(x.name)
-            return _named(base, number + blocks_later * self.per_block.get(base, 0))
+            return _named(base, number + groups_later * self.per_group.get(base, 0))
 
-        def copy_node(x, mapping, name, block=None):
+        def copy_node(x, mapping, name, group=None):
             args, kwargs = fx.node.map_arg((x.args, x.kwargs), lambda a: mapping[a])
             node = g.create_node(x.op, x.target, args, kwargs, name=name, type_expr=x.type)
-            node.meta = _relabel(x.meta, template, block) if block else dict(x.meta)
+            if group is None:
+                node.meta = dict(x.meta)
+            else:
+                r = self.paths.index(block_of(x, self.paths)) % self.period
+                node.meta = _relabel(x.meta, self._block(2, r), self._block(group, r))
             return node
 
-        after = False  # past the blocks: export numbered these after n blocks, not 3
+        after = False  # past the blocks: export numbered these after n groups, not 3
 
         for x in self.cap.gm.graph.nodes:
-            if x.op == "get_attr" and x.target.startswith(template + "."):
-                if x in segment_ending:  # the segment, once per block from the template on
-                    for j in range(2, self.n):
-                        for a in segment_ending[x]:
-                            target = f"{self.path}.{j}." + a.target[len(template) + 1:]
-                            node = g.get_attr(target)
-                            node.meta = dict(a.meta)
-                            env[(j, a)] = node
+            if x.op == "get_attr" and self._within(x.target, 2):
+                if x in segment_ending:  # the segment, once per group from 2 on
+                    self._stamp_attrs(g, env, segment_ending[x])
                 continue
-            if x in self.runs[template]:
+            if x in self.runs[2]:
                 if x is first:
-                    self._stamp_blocks(g, env, copy_node, shifted)
+                    self._stamp_groups(g, env, copy_node, shifted)
                 after = True
                 continue
             name = shifted(x, later) if after and x.op != "get_attr" else x.name
@@ -188,12 +211,20 @@ class _Stamper:
             g._codegen = copy.deepcopy(self.cap.gm.graph._codegen)
         return g
 
-    def _attr_segments(self, block: str) -> dict[fx.Node, list[fx.Node]]:
-        """The block's get_attrs in runs of neighbours (export lists every block's parameters,
+    def _stamp_attrs(self, g: fx.Graph, env: dict, segment: list[fx.Node]) -> None:
+        for j in range(2, self.n):
+            for a in segment:
+                r, rest = self._within(a.target, 2)
+                node = g.get_attr(f"{self._block(j, r)}.{rest}")
+                node.meta = dict(a.meta)
+                env[(j, a)] = node
+
+    def _attr_segments(self) -> dict[fx.Node, list[fx.Node]]:
+        """Group 2's get_attrs in runs of neighbours (export lists every block's parameters,
         then every block's buffers), keyed by the last of each run."""
         segments, current = {}, []
         for x in self.cap.gm.graph.nodes:
-            if x.op == "get_attr" and x.target.startswith(block + "."):
+            if x.op == "get_attr" and self._within(x.target, 2):
                 current.append(x)
             elif current:
                 segments[current[-1]], current = current, []
@@ -201,20 +232,20 @@ class _Stamper:
             segments[current[-1]] = current
         return segments
 
-    def _stamp_blocks(self, g, env, copy_node, shifted):
-        template, middle = self.runs[self.blocks[2]], self.runs[self.blocks[1]]
+    def _stamp_groups(self, g, env, copy_node, shifted):
+        template, middle = self.runs[2], self.runs[1]
         position = {x: k for k, x in enumerate(middle)}
         for j in range(2, self.n):
-            for k, x in enumerate(template):
+            for x in template:
                 mapping = {}
                 for a in x.all_input_nodes:
-                    if (j, a) in env:                    # this block's node or weight
+                    if (j, a) in env:                    # this group's node or weight
                         mapping[a] = env[(j, a)]
-                    elif a in middle and j > 2:          # the previous block's output
+                    elif a in middle and j > 2:          # the previous group's output
                         mapping[a] = env[(j - 1, template[position[a]])]
                     else:
                         mapping[a] = env[a]
-                env[(j, x)] = copy_node(x, mapping, shifted(x, j - 2), f"{self.path}.{j}")
+                env[(j, x)] = copy_node(x, mapping, shifted(x, j - 2), j)
 
 
 def _module(model: nn.Module, cap: Capture, graph: fx.Graph) -> fx.GraphModule:
@@ -249,21 +280,37 @@ def _module(model: nn.Module, cap: Capture, graph: fx.Graph) -> fx.GraphModule:
 
 def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None, **kwargs) -> Capture:
     """:func:`~tpcompile.core.capture.capture`, exporting only three of the model's blocks
-    when its blocks are identical (see the module docstring); the same Capture either way."""
+    (or groups of blocks) when they are identical (see the module docstring); the same
+    Capture either way, with a note saying why when a block list was captured whole."""
     found = _block_list(model)
     if found is None:
         return capture(model, example_inputs, example_kwargs, **kwargs)
     path, blocks = found
-    signature = _signature(blocks[1])
-    if signature is None or any(_signature(b) != signature for b in list(blocks)[2:]):
-        return capture(model, example_inputs, example_kwargs, **kwargs)
-    short = capture(_truncated(model, path, blocks), example_inputs, example_kwargs, **kwargs)
-    stamper = _Stamper(short, path, len(blocks))
-    if not stamper.usable():
-        return capture(model, example_inputs, example_kwargs, **kwargs)
+    sigs = signatures(blocks)
+    period = None if sigs is None else block_period(sigs)
+    if period is None:
+        return _whole(path, not_identical(sigs), model, example_inputs, example_kwargs, **kwargs)
+    try:
+        short = capture(_truncated(model, path, blocks, KEEP * period), example_inputs,
+                        example_kwargs, **kwargs)
+    except TPCompileError as e:  # a block read by index past the kept ones, or the model's own
+        why = f"the first {KEEP * period} blocks alone did not capture: {str(e).splitlines()[0]}"
+        return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
+    stamper = _Stamper(short, path, len(blocks) // period, period)
+    why = stamper.unusable()
+    if why is not None:
+        return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
     gm = _module(model, short, stamper.graph())
     gm.graph.lint()  # GraphModule() has generated its code
     gm.meta[REUSED] = (path, len(blocks))  # not a note: the plan must equal a whole capture's
     aliases, params, trainable = attribute_info(gm, model)
     return replace(short, gm=gm, aliases=aliases, params=params, trainable=trainable,
                    subclass_parts=subclass_parts(model, gm))
+
+
+def _whole(path: str, why: str, model: nn.Module, *args, **kwargs) -> Capture:
+    """The whole model captured, noting why its blocks were not reused."""
+    cap = capture(model, *args, **kwargs)
+    note = (f"{path}: captured whole, each block exported ({why}); planning time grows with "
+            "depth")
+    return replace(cap, notes=cap.notes + (note,))

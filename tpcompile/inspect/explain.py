@@ -211,7 +211,7 @@ def _notes(trace: RewriteTrace, mode: str | None, regions: dict) -> list[str]:
 
 def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
             progress: Callable[[str], None] | None = None, dynamic: bool = True,
-            example_kwargs: dict | None = None, html: bool = False, reuse_blocks: bool = False,
+            example_kwargs: dict | None = None, html: bool = False, reuse_blocks: bool = True,
             activation_checkpointing: str | None = None, **options):
     """Plan ``model`` for ``world_size`` ranks and report what the rewrite would do.
 
@@ -224,8 +224,8 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     capture a large model (the rewritten code then shows those sizes as constants).
     ``html=True`` returns the self-contained HTML page instead (a picture of the plan: see
     :mod:`tpcompile.inspect.explain_html`).
-    ``reuse_blocks=True`` exports three of a model's identical blocks and repeats one for the
-    rest: the same report, in a time that hardly grows with depth (docs/scaling.md).
+    ``reuse_blocks`` (default) exports three of a model's identical blocks and repeats one for
+    the rest: the same report, in a time that hardly grows with depth (docs/scaling.md).
     ``activation_checkpointing`` is ``parallelize``'s: the report lists the regions recomputed
     in backward and those that stay inline, with the reason.
     """

@@ -63,7 +63,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
                   render: Callable[[fx.GraphModule], str] | None = None,
                   copy_weights: bool = True, group_name: str = "tp",
                   progress: Callable[[str], None] | None = None,
-                  dynamic: bool = True, reuse_blocks: bool = False) -> RewriteTrace:
+                  dynamic: bool = True, reuse_blocks: bool = True) -> RewriteTrace:
     """Capture, plan for ``world_size`` ranks and rewrite rank ``rank``'s graph.
 
     ``example_kwargs`` and ``options`` are ``parallelize``'s (vocabulary, loss and sequence
