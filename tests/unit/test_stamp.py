@@ -143,3 +143,37 @@ def test_a_forward_that_counts_or_indexes_its_blocks_gets_the_whole_graph(by_ind
     assert stamped.cap.gm.code == whole.cap.gm.code
     torch.testing.assert_close(stamped.cap.gm(*x), whole.cap.gm(*x), rtol=0, atol=0)
     torch.testing.assert_close(stamped.cap.gm(*x), model(*x), rtol=0, atol=0)
+
+
+def test_a_forward_that_branches_on_its_index_is_not_stamped():
+    """An index attribute the forward only passes on (a cache's layer_idx) is no difference;
+    one it branches on is: block 5 would run code blocks 1 and 2 never showed."""
+    from tpcompile.core.block_kinds import _only_passed
+
+    class Passes(nn.Module):
+        def forward(self, x, cache=None):
+            return cache.update(x, self.layer_idx) if cache is not None else x
+
+    class Branches(nn.Module):
+        def forward(self, x):
+            return x * 2 if self.layer_idx == 5 else x
+
+    assert _only_passed(Passes, "layer_idx")
+    assert not _only_passed(Branches, "layer_idx")
+    model, x = nn.Sequential(), (torch.randn(2, 8),)
+    model.layers = nn.ModuleList(Branching(i) for i in range(6))
+    model.forward = lambda x: [x := layer(x) for layer in model.layers][-1]
+    stamped = pipeline.plan(model, x, 2)
+    assert REUSED not in stamped.cap.gm.meta and stamped.plan.notes
+    torch.testing.assert_close(stamped.cap.gm(*x), model(*x), rtol=0, atol=0)
+
+
+class Branching(nn.Module):
+    """Block 5 of six adds a ReLU: blocks 1 and 2, the ones exported, never show it."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.layer_idx, self.proj = index, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).relu() if self.layer_idx == 5 else self.proj(x)

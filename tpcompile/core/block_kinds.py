@@ -6,8 +6,10 @@ the same module classes, parameter and buffer names, shapes and dtypes, the same
 attributes, no hooks. Two things real models do are not differences:
 
 - an integer attribute equal to the block's own index in every block (Hugging Face's
-  ``layer_idx``: it names the block's cache entry; the graphs of two exported blocks with
-  different indices are compared node for node before any block is repeated);
+  ``layer_idx``: it names the block's cache entry), where ``forward`` only passes it to a call;
+  the graphs of two exported blocks with different indices are also compared node for node
+  before any block is repeated. A forward that branches or indexes on it is a difference: the
+  exported blocks would not show what another index runs;
 - a pattern that repeats: Gemma-2's sliding / full attention layers alternate (period 2),
   Gemma-3's five sliding layers and one full one (period 6). Blocks ``p .. 2p-1`` then form one
   *group* repeated with period ``p``, and the stamp repeats groups instead of blocks.
@@ -16,6 +18,11 @@ Block 0 may differ from the rest (it is exported either way).
 """
 
 from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
 
 from torch import nn
 
@@ -36,13 +43,30 @@ def _modules(block: nn.Module) -> list | None:
 
 
 def _index_attributes(raw: list[list]) -> set[tuple[str, str]]:
-    """(submodule, attribute) pairs whose value is the block's index in every block."""
+    """(submodule, attribute) pairs whose value is the block's index in every block and that
+    the submodule's ``forward`` only passes on (:func:`_only_passed`)."""
     found = None
     for i, modules in enumerate(raw):
-        here = {(name, k) for name, _, plain, _ in modules for k, v in plain.items()
-                if type(v) is int and v == i}
+        here = {(name, k) for name, cls, plain, _ in modules for k, v in plain.items()
+                if type(v) is int and v == i and _only_passed(cls, k)}
         found = here if found is None else found & here
     return found or set()
+
+
+@functools.cache
+def _only_passed(cls: type, attr: str) -> bool:
+    """``cls.forward`` reads ``self.<attr>`` only as an argument of a call (a cache's
+    ``update(k, v, self.layer_idx)``): a forward that compares it, indexes with it or computes
+    with it may run other code in another block, which the two exported blocks' graphs would
+    not show, so such a block counts as different. False where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    passed = {id(a) for call in ast.walk(tree) if isinstance(call, ast.Call)
+              for a in [*call.args, *(k.value for k in call.keywords)]}
+    return all(id(n) in passed for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == "self")
 
 
 def signatures(blocks: nn.ModuleList) -> list | None:
