@@ -59,3 +59,14 @@ def test_readme_sweep_counts_are_the_results_files():
                   "Megatron's bound",
                   f"{n['exact']} of them are exact on 2 gloo ranks"):
         assert claim in readme, claim
+
+
+def test_readme_planning_seconds_are_the_results_files():
+    """The README's real-scale planning times are bench/realscale's rows, as measured."""
+    data = json.loads((ROOT / "bench/results/realscale-2026-12-06-reused.json").read_text())
+    seconds = {r["shape"]: r["total_s"] for r in data["rows"] if r["reuse"] and r["world_size"] == 8
+               and r["layers"] in (32, 80, 126)}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    claim = (f"{seconds['8B']:.2f} s for 8B, {seconds['70B']:.2f} s for 70B and "
+             f"{seconds['405B']:.2f} s for 405B")
+    assert claim in readme, claim
