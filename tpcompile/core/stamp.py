@@ -31,6 +31,7 @@ from torch import fx, nn
 from tpcompile.core.block_kinds import block_period, not_identical, signatures
 from tpcompile.core.block_paths import block_of
 from tpcompile.core.capture import Capture, fetch, attribute_info, capture
+from tpcompile.core.checkpoint_marks import REGION
 from tpcompile.core.subclass_weights import subclass_part, subclass_parts
 from tpcompile.errors import TPCompileError
 
@@ -297,7 +298,7 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
         why = f"the first {KEEP * period} blocks alone did not capture: {str(e).splitlines()[0]}"
         return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
     stamper = _Stamper(short, path, len(blocks) // period, period)
-    why = stamper.unusable()
+    why = stamper.unusable() or _checkpointed(short.gm)
     if why is not None:
         return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
     gm = _module(model, short, stamper.graph())
@@ -306,6 +307,15 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
     aliases, params, trainable = attribute_info(gm, model)
     return replace(short, gm=gm, aliases=aliases, params=params, trainable=trainable,
                    subclass_parts=subclass_parts(model, gm))
+
+
+def _checkpointed(gm: fx.GraphModule) -> str | None:
+    """Why a capture whose blocks checkpoint regions is not stamped: a repeated block's copy
+    would carry the exported block's region, and checkpoint_regions would run the blocks as
+    one region (the whole capture names one region per call)."""
+    if any(n.meta.get(REGION) for n in gm.graph.nodes):
+        return "its blocks checkpoint regions (torch.utils.checkpoint), which are not repeated"
+    return None
 
 
 def _whole(path: str, why: str, model: nn.Module, *args, **kwargs) -> Capture:
