@@ -198,7 +198,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     with whole rows (``whole_rows``) adds one all-reduce of those rows' gradient."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
     cols = [m for m in mms if role.get(m.node) == "colwise"]
-    syncs = _input_syncs(layer, cols, partial)
+    syncs = _input_syncs(layer, cols, partial, trainable)
     roots = set(syncs)
     stats = {s for m in cols for s in m.statistics}
     whole = whole_read(layer, cols, mms, trainable)
@@ -217,7 +217,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
                        "backward": tuple(sorted(n.name for n in roots | stats))})
 
 
-def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
+def _input_syncs(layer: str, cols: list[Matmul], partial: set, trainable: frozenset) -> dict:
     """The backward all-reduces of the colwise matmuls' inputs: value -> the matmuls whose
     input gradients it sums. Inputs that share a reduce point (:func:`reduce_points`) share
     one all-reduce, at the nearest point they share (q, k and v at their norm's output; an MLA
@@ -227,7 +227,9 @@ def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
     for m in cols:
         if m.activation is None:
             continue
-        points = reduce_points(m.activation, layer, partial)
+        points = reduce_points(m.activation, layer, partial, trainable)
+        if not points:  # its gradient is asked of nothing: no all-reduce
+            continue
         shared = next((g for g in groups if set(g[1]) & set(points)), None)
         if shared is None:
             groups.append(([m], points))

@@ -329,28 +329,34 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
     return reach
 
 
-def reduce_points(node: fx.Node, layer: str, stop: set) -> list[fx.Node]:
+def reduce_points(node: fx.Node, layer: str, stop: set, trainable: frozenset) -> list[fx.Node]:
     """Where one all-reduce may sum the partial gradient that backward sends to ``node`` (a
     colwise matmul's input), nearest first. Every backward op is linear in its output's
     gradient, so a partial gradient can be carried back through the computed floating-point
     values ``node`` is made from (a norm, a whole matmul, a pick), but it must be whole where
     it reaches a sink: a value of ``stop`` (a rowwise partial sum, whose backward needs it
     whole) or of another block (the block's input). The points are the values every path from
-    ``node`` to a sink passes through (its dominators), sinks included."""
-    graph, todo = nx.DiGraph(), [node]
+    ``node`` to a sink passes through (its dominators), sinks included. None at all when the
+    gradient reaches no sink and no ``trainable`` tensor (a block reading the model's input
+    data, as ``nn.TransformerEncoder``'s first layer: nothing needs that gradient)."""
+    graph, todo, weights = nx.DiGraph(), [node], False
     graph.add_node(node)
     while todo:
         n = todo.pop()
+        if n.op == "placeholder":  # the caller's data: no gradient is asked of it
+            continue
         if n in stop or n.op != "call_function" or _layer(n) != layer:
             graph.add_edge(n, _SINK)
             continue
         for a in n.all_input_nodes:
-            if stored_inputs(a) is None and _differentiable(a.meta.get("val")):
+            found = stored_inputs(a)
+            weights |= bool(found and any(w.target in trainable for w in found[0]))
+            if found is None and _differentiable(a.meta.get("val")):
                 if a not in graph:
                     todo.append(a)
                 graph.add_edge(n, a)
-    if _SINK not in graph:  # made of stored tensors only: its gradient reaches no value
-        return [node]
+    if _SINK not in graph:  # its gradient reaches only weights (one sync for theirs) or data
+        return [node] if weights else []
     idom, out, at = nx.immediate_dominators(graph, node), [], _SINK
     while at is not node:
         at = idom[at]
