@@ -28,7 +28,9 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   shared experts: one), of the bytes of the value where the sum leaves them; and one per
   statistic (a norm's mean) over a colwise matmul's whole output features, or over all heads
   of attention's output when the matmul makes its value (BitNet's norm before ``o_proj``).
-* Backward: one all-reduce per group of colwise inputs whose partial gradients can be summed
+* Backward (for inputs computed from a trainable tensor: a frozen model, or a block reading
+  the caller's data, asks no input gradient): one all-reduce per group of colwise inputs
+  whose partial gradients can be summed
   at one value (``reduce_points``): backward is linear in the gradient, so a partial gradient
   is carried back through the whole computation its input is made of (views, picks, norms,
   whole matmuls) until it must be whole, where it enters a rowwise partial sum or leaves the
@@ -62,7 +64,8 @@ from torch import fx
 
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound_graph import (
-    Matmul, find_matmuls, reach_forward, reduce_points, value_bytes, value_users, whole_read,
+    Matmul, find_matmuls, grad_carriers, reach_forward, reduce_points, value_bytes, value_users,
+    whole_read,
 )
 from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import is_quantized_storage, weight_targets
@@ -190,7 +193,7 @@ def _reduced_bytes(reach: set) -> int:
 
 
 def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
-           world_size: int) -> BlockBound:
+           world_size: int, carriers: set) -> BlockBound:
     """Forward groups and statistics; backward activations and statistics' gradients. The
     whole weights read where features are cut add bytes, not an all-reduce: they are read
     after a colwise matmul, so their partial gradients ride in that matmul's input sync (an
@@ -198,7 +201,8 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     with whole rows (``whole_rows``) adds one all-reduce of those rows' gradient."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
     cols = [m for m in mms if role.get(m.node) == "colwise"]
-    syncs = _input_syncs(layer, cols, partial, trainable)
+    syncs = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial,
+                         trainable)
     roots = set(syncs)
     stats = {s for m in cols for s in m.statistics}
     whole = whole_read(layer, cols, mms, trainable)
@@ -260,6 +264,7 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
     for m in mms:
         by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
     styles, reasons, blocks, whole_part = {}, {}, {}, {}
+    carriers = grad_carriers(cap.gm, cap.trainable)  # inputs whose gradient anything asks
     for layer, group in by_layer.items():
         if not layer and len(by_layer) > 1:  # around the blocks: embeddings, heads
             for m in group:
@@ -277,7 +282,7 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
                 styles[b] = "colwise" if style == "colwise" else "whole"
                 if styles[b] == "whole":
                     reasons[b] = why.get(m.node, "a row-parallel matmul's bias is added after the sum")
-        blocks[layer] = _block(layer, group, role, cap.trainable, world_size)
+        blocks[layer] = _block(layer, group, role, cap.trainable, world_size, carriers)
         for m in group:
             rows = whole_rows(m, world_size) if role[m.node] == "colwise" else 0
             for w in m.weights + m.biases if rows else ():

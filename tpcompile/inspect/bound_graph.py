@@ -28,7 +28,7 @@ from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["Matmul", "find_matmuls", "reach_forward", "reduce_points", "value_bytes",
+__all__ = ["Matmul", "find_matmuls", "grad_carriers", "reach_forward", "reduce_points", "value_bytes",
            "value_users", "whole_read"]
 
 aten = torch.ops.aten
@@ -327,6 +327,17 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
                for u in users):
             todo.extend(users)
     return reach
+
+
+def grad_carriers(gm: fx.GraphModule, trainable: frozenset) -> set[fx.Node]:
+    """The values computed from a trainable tensor: backward sends a gradient only through
+    these (a frozen model, or a block reading the caller's data, asks none of its input)."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "get_attr" and n.target in trainable) or any(
+                a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
 
 
 def reduce_points(node: fx.Node, layer: str, stop: set, trainable: frozenset) -> list[fx.Node]:
