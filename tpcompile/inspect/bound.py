@@ -30,8 +30,7 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   of attention's output when the matmul makes its value (BitNet's norm before ``o_proj``).
 * Backward (for inputs computed from a trainable tensor: a frozen model, or a block reading
   the caller's data, asks no input gradient): one all-reduce per group of colwise inputs
-  whose partial gradients can be summed
-  at one value (``reduce_points``): backward is linear in the gradient, so a partial gradient
+  whose partial gradients can be summed at one value (``reduce_points``): backward is linear in the gradient, so a partial gradient
   is carried back through the whole computation its input is made of (views, picks, norms,
   whole matmuls) until it must be whole, where it enters a rowwise partial sum or leaves the
   block. q, k and v: one; a MoE block's routed and shared experts: one; MLA's q path and its
@@ -201,8 +200,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     with whole rows (``whole_rows``) adds one all-reduce of those rows' gradient."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
     cols = [m for m in mms if role.get(m.node) == "colwise"]
-    syncs = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial,
-                         trainable)
+    syncs = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial)
     roots = set(syncs)
     stats = {s for m in cols for s in m.statistics}
     whole = whole_read(layer, cols, mms, trainable)
@@ -221,7 +219,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
                        "backward": tuple(sorted(n.name for n in roots | stats))})
 
 
-def _input_syncs(layer: str, cols: list[Matmul], partial: set, trainable: frozenset) -> dict:
+def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
     """The backward all-reduces of the colwise matmuls' inputs: value -> the matmuls whose
     input gradients it sums. Inputs that share a reduce point (:func:`reduce_points`) share
     one all-reduce, at the nearest point they share (q, k and v at their norm's output; an MLA
@@ -229,11 +227,7 @@ def _input_syncs(layer: str, cols: list[Matmul], partial: set, trainable: frozen
     block's two norms at the block's input)."""
     groups: list[tuple[list, list]] = []  # (matmuls, the points they all share)
     for m in cols:
-        if m.activation is None:
-            continue
-        points = reduce_points(m.activation, layer, partial, trainable)
-        if not points:  # its gradient is asked of nothing: no all-reduce
-            continue
+        points = reduce_points(m.activation, layer, partial)
         shared = next((g for g in groups if set(g[1]) & set(points)), None)
         if shared is None:
             groups.append(([m], points))

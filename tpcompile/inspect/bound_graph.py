@@ -28,8 +28,8 @@ from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["Matmul", "find_matmuls", "grad_carriers", "reach_forward", "reduce_points", "value_bytes",
-           "value_users", "whole_read"]
+__all__ = ["Matmul", "find_matmuls", "grad_carriers", "reach_forward", "reduce_points",
+           "value_bytes", "value_users", "whole_read"]
 
 aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
@@ -340,17 +340,17 @@ def grad_carriers(gm: fx.GraphModule, trainable: frozenset) -> set[fx.Node]:
     return out
 
 
-def reduce_points(node: fx.Node, layer: str, stop: set, trainable: frozenset) -> list[fx.Node]:
+def reduce_points(node: fx.Node, layer: str, stop: set) -> list[fx.Node]:
     """Where one all-reduce may sum the partial gradient that backward sends to ``node`` (a
     colwise matmul's input), nearest first. Every backward op is linear in its output's
     gradient, so a partial gradient can be carried back through the computed floating-point
     values ``node`` is made from (a norm, a whole matmul, a pick), but it must be whole where
     it reaches a sink: a value of ``stop`` (a rowwise partial sum, whose backward needs it
     whole) or of another block (the block's input). The points are the values every path from
-    ``node`` to a sink passes through (its dominators), sinks included. None at all when the
-    gradient reaches no sink and no ``trainable`` tensor (a block reading the model's input
-    data, as ``nn.TransformerEncoder``'s first layer: nothing needs that gradient)."""
-    graph, todo, weights = nx.DiGraph(), [node], False
+    ``node`` to a sink passes through (its dominators), sinks included; ``node`` alone when its
+    gradient reaches only weights and the caller's data (callers ask only of inputs computed
+    from a trainable tensor, :func:`grad_carriers`)."""
+    graph, todo = nx.DiGraph(), [node]
     graph.add_node(node)
     while todo:
         n = todo.pop()
@@ -360,14 +360,12 @@ def reduce_points(node: fx.Node, layer: str, stop: set, trainable: frozenset) ->
             graph.add_edge(n, _SINK)
             continue
         for a in n.all_input_nodes:
-            found = stored_inputs(a)
-            weights |= bool(found and any(w.target in trainable for w in found[0]))
-            if found is None and _differentiable(a.meta.get("val")):
+            if stored_inputs(a) is None and _differentiable(a.meta.get("val")):
                 if a not in graph:
                     todo.append(a)
                 graph.add_edge(n, a)
     if _SINK not in graph:  # its gradient reaches only weights (one sync for theirs) or data
-        return [node] if weights else []
+        return [node]
     idom, out, at = nx.immediate_dominators(graph, node), [], _SINK
     while at is not node:
         at = idom[at]

@@ -193,9 +193,7 @@ def bound_verdict(rows: list[LayerTraffic]) -> str:
     # first, the code outside the blocks) makes that input: a count moves to an earlier block,
     # so backward is judged on the suffixes of [outside, block 0, block 1, ...]
     ordered = [m for m in rows if not m.layer] + [m for m in rows if m.layer]
-    backward = max(accumulate(m.backward - m.bound_backward for m in reversed(ordered)),
-                   default=0)
-    backward = max(backward, 0)
+    backward = max([0, *accumulate(m.backward - m.bound_backward for m in reversed(ordered))])
     whole = [w for m in rows for w in m.whole]
     over = []
     if forward or backward:
