@@ -129,10 +129,25 @@ def hf_causal_lm(name: str, positions: int = 64, layers: int = 2):
     if name in heads:
         llama_like.update(num_attention_heads=heads[name][0], num_key_value_heads=heads[name][1])
         name = "llama"
+    if name == "llama_pkv":
+        return _past_key_values_llama(tf)(tf.LlamaConfig(**llama_like))
     config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
               "qwen3": tf.Qwen3Config}[name](**llama_like)
     return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
             "mistral": tf.MistralForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[name](config)
+
+
+def _past_key_values_llama(tf):
+    """A Llama whose forward names its cache ``past_key_values`` and ignores a ``cache``
+    keyword, as transformers' did before 5.24 (then ``cache``)."""
+    class PastKeyValuesLlama(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                    past_key_values=None, logits_to_keep=0, **kwargs):
+            kwargs.pop("cache", None)  # an unknown keyword, which the old **kwargs ignored
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids, cache=past_key_values,
+                                   logits_to_keep=logits_to_keep, **kwargs)
+    return PastKeyValuesLlama
 
 
 def hf_prompt():

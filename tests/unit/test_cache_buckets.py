@@ -1,10 +1,13 @@
-"""Cache lengths ``generate`` captures: few buckets, none shorter than needed, within limits."""
+"""Cache lengths ``generate`` captures: few buckets, none shorter than needed, within limits;
+the static-cache wrapper hands its cache to the model under the name the model's forward takes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tpcompile.runtime.cache_modules import cache_length
+from tpcompile.runtime.static_cache import StaticCacheLM
 
 
 @pytest.mark.parametrize("needed, bucket", [
@@ -18,3 +21,19 @@ def test_a_limit_the_tokens_fit_caps_the_bucket():
     assert cache_length(10, limit=40) == 40  # a 40-position model: no 64-position cache
     assert cache_length(10, limit=4096) == 64
     assert cache_length(50, limit=40) == 64  # past the limit: the model's own error, not ours
+
+
+@pytest.mark.parametrize("name, keyword", [("llama", "cache"), ("llama_pkv", "past_key_values")])
+def test_the_wrapper_passes_its_cache_under_the_forwards_own_name(name, keyword):
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``. A name the
+    forward does not take would vanish into its ``**kwargs``: the buffers never written."""
+    pytest.importorskip("transformers")
+    from zoo.hf_models import hf_causal_lm
+
+    wrapper = StaticCacheLM(hf_causal_lm(name).eval(), batch=1, max_len=8)
+    assert wrapper.cache_kwarg == keyword
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        wrapper(ids, torch.ones(1, 8, dtype=torch.long), torch.arange(3)[None], torch.arange(3))
+    assert wrapper.key_cache_0[:, :, :3].abs().sum() > 0  # the prefill's keys were stored
+    assert wrapper.key_cache_0[:, :, 3:].abs().sum() == 0

@@ -9,6 +9,7 @@ capture); only the cache is allocated anew.
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import contextmanager
 
@@ -35,6 +36,10 @@ class StaticCacheLM(nn.Module):
         from transformers.integrations.executorch import get_head_shapes
 
         self.model = model
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache``; a name the
+        # forward does not take would be swallowed by its **kwargs and the cache left unused
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         config = model.config.get_text_config()
         self.cache = StaticCache(max_cache_len=max_len, config=config)
         for i, layer in enumerate(self.cache.layers):
@@ -59,8 +64,8 @@ class StaticCacheLM(nn.Module):
             layer.cumulative_length.copy_(cache_position[0])
         with sdpa_gqa(self.gqa_in_sdpa):
             return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, cache=self.cache, use_cache=True,
-                              **self.last_logits).logits
+                              position_ids=position_ids, use_cache=True,
+                              **{self.cache_kwarg: self.cache}, **self.last_logits).logits
 
 
 @contextmanager
