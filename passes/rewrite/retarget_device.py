@@ -29,8 +29,14 @@ def _swap(value, src: torch.device, dst: torch.device):
     return value
 
 
+def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the graphs nested in it (the bodies of ``wrap_with_set_grad_enabled`` and
+    other higher-order ops, which torch 2.11's export emits around ``no_grad`` regions)."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
 def baked_devices(gm: fx.GraphModule) -> set[torch.device]:
-    """Every device constant the graph's ops were called with."""
+    """Every device constant the graph's ops (nested graphs' too) were called with."""
     found: set[torch.device] = set()
 
     def visit(value):
@@ -40,9 +46,10 @@ def baked_devices(gm: fx.GraphModule) -> set[torch.device]:
             for v in value:
                 visit(v)
 
-    for node in gm.graph.nodes:
-        visit(node.args)
-        visit(tuple(node.kwargs.values()))
+    for g in _graphs(gm):
+        for node in g.graph.nodes:
+            visit(node.args)
+            visit(tuple(node.kwargs.values()))
     return found
 
 
@@ -52,11 +59,16 @@ def retarget_device_pass(gm: fx.GraphModule, device: torch.device | None) -> Pas
         return PassResult(gm, False)
     src, dst = torch.device("meta"), torch.device(device)
     changed = False
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        args = _swap(node.args, src, dst)
-        kwargs = {k: _swap(v, src, dst) for k, v in node.kwargs.items()}
-        if args is not node.args or any(kwargs[k] is not v for k, v in node.kwargs.items()):
-            node.args, node.kwargs, changed = args, kwargs, True
+    for g in _graphs(gm):
+        nested = False
+        for node in g.graph.nodes:
+            if node.op != "call_function":
+                continue
+            args = _swap(node.args, src, dst)
+            kwargs = {k: _swap(v, src, dst) for k, v in node.kwargs.items()}
+            if args is not node.args or any(kwargs[k] is not v for k, v in node.kwargs.items()):
+                node.args, node.kwargs, nested = args, kwargs, True
+        if nested and g is not gm:
+            g.recompile()  # the caller recompiles gm
+        changed |= nested
     return PassResult(gm, changed)

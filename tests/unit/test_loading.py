@@ -10,7 +10,9 @@ import tpcompile
 from tpcompile.tools import models
 from tpcompile.api import rewrite
 from tpcompile.state.checkpoint import ShardedParam, sharded_state_dict
-from tpcompile.passes.rewrite.retarget_device import baked_devices
+from torch import fx
+
+from tpcompile.passes.rewrite.retarget_device import baked_devices, retarget_device_pass
 from tpcompile.passes.rewrite.materialize_params import take_shard
 from tpcompile.runtime.module import TPModule
 from tpcompile.core.shards import placements_by_fqn
@@ -57,6 +59,25 @@ def test_meta_capture_bakes_meta_devices_and_to_empty_retargets_them(buffers):
     assert baked_devices(tp.graph_module) == {torch.device("cpu")}
     assert all(t.device.type == "cpu" for t in tp.state_dict().values())
     assert torch.equal(tp.graph_module.rope_cos, buffers["rope_cos"])  # the graph reads it
+
+
+def test_device_constants_in_nested_graphs_are_retargeted_too():
+    """torch 2.11's export puts ``no_grad`` / autocast regions in nested graphs (the bodies of
+    higher-order ops, submodules of the graph): their factory calls were left on meta."""
+    body = fx.Graph()
+    x = body.placeholder("x")
+    ones = body.call_function(torch.ops.aten.full.default, ([2], 1.0),
+                              {"device": torch.device("meta")})
+    body.output(body.call_function(torch.ops.aten.add.Tensor, (x, ones)))
+    root = torch.nn.Module()
+    root.body = fx.GraphModule(torch.nn.Module(), body)
+    outer = fx.Graph()
+    outer.output(outer.call_module("body", (outer.placeholder("y"),)))
+    gm = fx.GraphModule(root, outer)
+    assert baked_devices(gm) == {torch.device("meta")}
+    assert retarget_device_pass(gm, torch.device("cpu")).modified
+    assert baked_devices(gm) == {torch.device("cpu")}
+    assert torch.equal(gm(torch.zeros(2)), torch.ones(2))
 
 
 def test_load_full_state_dict_copies_exactly_this_ranks_slices(eager, buffers):
