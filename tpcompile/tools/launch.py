@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -54,7 +55,11 @@ def _child(rank, world_size, store_path, target, args, results, timeout, env):
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         try:
-            results.put((rank, True, _resolve(target)(rank, world_size, *args)))
+            value = _resolve(target)(rank, world_size, *args)
+            # an unpicklable result fails here, reported; in the queue's feeder thread it would
+            # be dropped, and the rank seen to exit 0 with nothing to say
+            pickle.dumps(value)
+            results.put((rank, True, value))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
