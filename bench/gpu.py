@@ -21,7 +21,7 @@ On Llama-3-8B-shaped layers (dim 4096, 32 query / 8 KV heads, hidden 14336, voca
 
 Timing: CUDA events around each step after warm-up, median of ``--steps``; variants alternate
 step by step so clock and thermal drift hit both. Prints a markdown table, writes
-bench/results/gpu-<device>.json.
+bench/results/gpu-overhead-<device>.json.
 """
 
 from __future__ import annotations
@@ -150,36 +150,44 @@ def main(argv=None) -> None:
     tokens = models.example_inputs(model, args.batch, args.seq)[0].to(args.device)
     timed, options = _timer(args.device), tpcompile.compile_options()
     numerics, base = _world_size_one(model, tokens, timed, args, options)
-    rows = [{"variant": name, "world_size": 1, "step_ms": 1e3 * s,
-             "vs_unsharded": s / base[name.replace("tpcompile ws 1", "unsharded")]}
-            for name, s in base.items()]
+    report = _Report(args, dtype, numerics)
+    for name, s in base.items():
+        report.add({"variant": name, "world_size": 1, "step_ms": 1e3 * s,
+                    "vs_unsharded": s / base[name.replace("tpcompile ws 1", "unsharded")]})
     for ws in args.world_sizes:
         shards = _medians(_shard_variants(model, tokens, ws, args, options), timed, args.steps,
                           args.warmup)
         for name, s in shards.items():
             ref = base["unsharded " + name.split()[-1]]  # eager or compiled
-            rows.append({"variant": f"rank 0 of {ws}: {name}", "world_size": ws,
-                         "step_ms": 1e3 * s, "vs_unsharded": s / ref, "efficiency": ref / ws / s})
+            report.add({"variant": f"rank 0 of {ws}: {name}", "world_size": ws,
+                        "step_ms": 1e3 * s, "vs_unsharded": s / ref, "efficiency": ref / ws / s})
     dist.destroy_process_group()
-    _report(args, dtype, numerics, rows)
 
 
-def _report(args, dtype, numerics: dict, rows: list[dict]) -> None:
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{name}, Llama {args.layers} layers, dim {args.dim}, {args.heads}/{args.kv_heads} heads, "
-          f"hidden {args.hidden}, vocab {args.vocab}, {args.batch}x{args.seq} tokens, {dtype}, "
-          f"fwd+bwd, median of {args.steps}")
-    print(f"world size 1 vs unsharded (eager, {dtype}): output rel err "
-          f"{numerics['output_err']:.2e}, max grad rel err {numerics['max_grad_err']:.2e}\n")
-    print("| variant | step ms | vs unsharded (same mode) | efficiency (unsharded / N / shard) |")
-    print("|---|---:|---:|---:|")
-    for r in rows:
+class _Report:
+    """The table, a row at a time, and the JSON rewritten after each: a run cut short by a
+    time limit keeps what it measured."""
+
+    def __init__(self, args, dtype, numerics: dict):
+        self.args, self.numerics, self.rows = args, numerics, []
+        self.device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        print(f"{self.device}, Llama {args.layers} layers, dim {args.dim}, {args.heads}/"
+              f"{args.kv_heads} heads, hidden {args.hidden}, vocab {args.vocab}, {args.batch}x"
+              f"{args.seq} tokens, {dtype}, fwd+bwd, median of {args.steps}")
+        print(f"world size 1 vs unsharded (eager, {dtype}): output rel err "
+              f"{numerics['output_err']:.2e}, max grad rel err {numerics['max_grad_err']:.2e}\n")
+        print("| variant | step ms | vs unsharded (same mode) | efficiency (unsharded / N / shard) |")
+        print("|---|---:|---:|---:|", flush=True)
+
+    def add(self, r: dict) -> None:
+        self.rows.append(r)
         eff = f"{r['efficiency']:.0%}" if "efficiency" in r else "-"
-        print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['vs_unsharded']:.3f}x | {eff} |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"gpu-{args.device}.json").write_text(json.dumps(
-        {"device": name, "torch": torch.__version__, "config": vars(args), "numerics": numerics,
-         "rows": rows}, indent=1))
+        print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['vs_unsharded']:.3f}x | {eff} |",
+              flush=True)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"gpu-overhead-{self.args.device}.json").write_text(json.dumps(
+            {"device": self.device, "torch": torch.__version__, "config": vars(self.args),
+             "numerics": self.numerics, "rows": self.rows}, indent=1))
 
 
 if __name__ == "__main__":

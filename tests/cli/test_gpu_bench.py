@@ -1,7 +1,7 @@
-"""bench/gpu.sh and bench/gpu_decode.py on a machine without a GPU: what can run on CPU.
+"""bench/gpu.sh and its checks on a machine without a GPU: what can run on CPU.
 
-The CUDA-graph decode check itself needs a GPU; here: the shell script's usage errors and its
-clean skip, the decode script's arguments and skip, and the verdict it prints from a result.
+The checks themselves need a GPU; here: the shell script's usage errors and its clean skip,
+each script's arguments and skip, and the verdicts the decode scripts print from a result.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_decode
+from bench import gpu_decode, gpu_hf_decode, gpu_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,3 +67,26 @@ def test_decode_verdict(capsys):
     assert gpu_decode.report(_result(device="cpu", skips=1)) == 0  # CPU: no graphs expected
     out = capsys.readouterr().out
     assert out.count("FAILED") == 2
+
+
+@pytest.mark.parametrize("script", [gpu_hf_decode, gpu_memory])
+def test_hf_checks_skip_without_a_gpu(script, capsys):
+    assert script.parse([]).device == "cuda"
+    assert script.main([]) == 0
+    assert "no CUDA device; skipped" in capsys.readouterr().out
+
+
+def _hf_result(compiled_same=True) -> dict:
+    row = {"ms_per_token": 4.0, "first_2_tokens_ms": 30.0, "same_as_hf_eager": True,
+           "same_as_tpcompile_eager": True, "dynamo_graphs": 1}
+    rows = {name: dict(row) for name in ("hf eager", "hf static compiled", "tpcompile eager")}
+    rows["tpcompile reduce-overhead"] = {**row, "same_as_tpcompile_eager": compiled_same}
+    return {"device": "H", "torch": "2.11", "transformers": "5.17",
+            "config": vars(gpu_hf_decode.parse([])), "rows": rows}
+
+
+def test_hf_decode_verdict(capsys):
+    assert gpu_hf_decode.report(_hf_result()) == 0
+    assert "| tpcompile reduce-overhead | 4.000 | 30.0 | 1 | yes |" in capsys.readouterr().out
+    assert gpu_hf_decode.report(_hf_result(compiled_same=False)) == 1
+    assert "FAILED" in capsys.readouterr().out
