@@ -135,8 +135,9 @@ def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
     return out
 
 
+# 4 ranks with -m slow (CI time): the MoE idioms' 4-rank numerics run in CI (tests/gloo/test_idioms.py)
 @pytest.mark.dist
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_outputs_and_every_gradient_equal_the_unsharded_model(world_size):
     names = AT[world_size]
     per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", world_size, names)

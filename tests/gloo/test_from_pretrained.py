@@ -64,6 +64,7 @@ TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   tie_word_embeddings=True)
 
 
+@pytest.mark.slow  # CI time: the bench's own path; the directory test above covers loading
 def test_benchmark_path_on_a_tiny_checkpoint(tmp_path):
     """bench/generation_checkpoint.py's run, as for the 1B model: tokens equal the unsharded
     model's at two prompt lengths, new prompt lengths start no capture, every measure taken."""

@@ -93,7 +93,8 @@ def test_generate_after_training_uses_the_updated_shards(fast):
         assert c["loss_err"] <= 1e-5
 
 
-@pytest.mark.parametrize("ws, name", [(2, "llama"), (4, "llama_8q2kv")])
+@pytest.mark.parametrize("ws, name", [(2, "llama"), pytest.param(4, "llama_8q2kv",
+                                                                   marks=pytest.mark.slow)])
 def test_prompt_lengths_share_one_capture_per_cache_bucket(ws, name):
     """Prompts of 1 to 9 tokens with 2 to 9 new ones (left-padded): one prefill and one decode
     capture serve them all (the 64-position bucket); 60 + 40 tokens capture the 128 bucket and

@@ -22,8 +22,14 @@ pytest.importorskip("transformers")
 # by carrying its residual in the partial sum)
 ABOVE: dict[str, str] = {}
 
+# with -m slow (CI time): their chunked recurrences (Mamba-2's scan, the gated delta rule) carry
+# symbolic sequence lengths through hundreds of ops, and torch.export and the planner spend a
+# minute or more in sympy at this tiny size
+SLOW = {"BambaForCausalLM", "Qwen3_5ForCausalLM"}
 
-@pytest.mark.parametrize("family", list(sweep.REPRESENTATIVE) + [
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f
+                                    for f in sweep.REPRESENTATIVE] + [
     pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=why))
     for f, why in ABOVE.items()])
 def test_family_is_planned_at_the_bound(family):
