@@ -127,7 +127,7 @@ def _rank_main(rank: int, world_size: int, new: int, repeats: int) -> dict:
         for name, module in (("tpcompile", tp), ("tpcompile compiled", compiled)):
             module.generate(ids, **args)  # captures the decode step (and compiles it)
             tokens = module.generate(ids, **args)
-            inner = next(iter(module._generation.values()))
+            inner = next(iter(module.generation_modules.values()))
             rows[name] = {
                 "cache": sum(b.numel() * b.element_size() for n, b in inner.named_buffers()
                              if "_cache_" in n),

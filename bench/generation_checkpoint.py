@@ -155,7 +155,7 @@ def _decode(tp, vocab: int, rounds: int = ROUNDS) -> dict:
     ids = _prompt(vocab, FIRST)
     args = dict(do_sample=False, pad_token_id=0)
     tp.generate(ids, max_new_tokens=2, **args)  # captures the one-token signature
-    inner = list(tp._generation.values())[-1]
+    inner = list(tp.generation_modules.values())[-1]
     full = torch.zeros(1, inner.graph_module.key_cache_0.shape[2], dtype=torch.long)
     full[:, :FIRST + 1] = 1
     step = (ids[:, :1], full, torch.tensor([[FIRST]]), torch.tensor([FIRST]))

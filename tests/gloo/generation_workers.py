@@ -124,7 +124,7 @@ def _hf_case(name: str, sample: bool = True) -> dict:
         torch.manual_seed(7 + dist.get_rank())  # ranks seeded apart: still the same tokens
         out["sampled"] = tp.generate(ids, **sample_args).tolist()
         out["beams"] = _error(lambda: tp.generate(ids, num_beams=2, max_new_tokens=2))
-    inner = next(iter(tp._generation.values()))
+    inner = next(iter(tp.generation_modules.values()))
     out["caches"] = {n: tuple(b.shape) for n, b in inner.named_buffers() if n.startswith("key_cache")}
     out["cache_bytes"] = sum(b.numel() * b.element_size() for n, b in inner.named_buffers()
                              if n.startswith(("key_cache", "value_cache")))
@@ -175,9 +175,9 @@ def prompt_lengths(rank: int, world_size: int, name: str) -> list:
             args = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
             tokens = tp.generate(ids[:, :length], **args).tolist()
             out.append({"equal": tokens == model.generate(ids[:, :length], **args).tolist(),
-                        "captures": len(captures), "buckets": [k[1] for k in tp._generation],
+                        "captures": len(captures), "buckets": [k[1] for k in tp.generation_modules],
                         "cache_held": [not any(b.is_meta for b in m.buffers())
-                                       for m in tp._generation.values()]})
+                                       for m in tp.generation_modules.values()]})
     finally:
         api.SignatureCapture.__call__ = original
     return out
@@ -291,7 +291,7 @@ def hf_compiled_generate(rank: int, world_size: int) -> dict:
     eager = tp.generate(ids, **args).tolist()
     tp.compile_generation(options=tpcompile.compile_options())
     compiled = tp.generate(ids, **args).tolist()
-    inner = next(iter(tp._generation.values()))
+    inner = next(iter(tp.generation_modules.values()))
     return {"eager": eager, "compiled": compiled, "want": model.generate(ids, **args).tolist(),
             "used": "compiled_decode" in inner.__dict__}
 

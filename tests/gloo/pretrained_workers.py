@@ -16,7 +16,7 @@ def _report(tp, ids, mask) -> dict:
     """Greedy tokens, where every tensor lives, and the shapes of two sharded weights."""
     tokens = tp.generate(ids, attention_mask=mask, **GREEDY).tolist()
     tensors = list(tp.parameters()) + list(tp.buffers())
-    inner = next(iter(tp._generation.values()))  # the static-cache module generate ran
+    inner = next(iter(tp.generation_modules.values()))  # the static-cache module generate ran
     return {
         "tokens": tokens,
         "devices": sorted({t.device.type for t in tensors + list(inner.buffers())}),

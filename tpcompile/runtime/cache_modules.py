@@ -14,7 +14,7 @@ shared as widely as exactness allows:
   tokens stay masked (attention mask 0 and the causal mask by ``cache_position``), so the
   logits are those of a cache of the exact length.
 
-Memory: the store (``tp.__dict__["_generation"]``, least recently used first) keeps at most
+Memory: the store (``tp.generation_modules``, least recently used first) keeps at most
 :data:`MAX_MODULES` modules, each with at most ``MAX_SIGNATURES`` graphs (a prefill and a
 decode step in practice) whose weights are the module's own shards. Only the module in use
 holds a KV cache: the others' cache buffers are replaced by meta tensors of their shape and
@@ -22,8 +22,6 @@ allocated again (zeros, as ``generate`` resets them anyway) when a call reuses t
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -54,7 +52,7 @@ def cache_length(needed: int, limit: int | None = None) -> int:
 def cached_module(tp, batch: int, max_len: int):
     """The module (of ``type(tp)``) running the static-cache wrapper for ``batch`` rows and a
     cache of ``max_len`` positions, captured on first use; its KV cache allocated."""
-    store = tp.__dict__.setdefault("_generation", OrderedDict())
+    store = tp.generation_modules
     key = (batch, max_len)
     if store and next(reversed(store)) == key:
         return store[key]  # the module in use: its cache held, every other one released
@@ -89,10 +87,9 @@ def _capture(tp, batch: int, max_len: int):
     device = next(tp.parameters(), torch.empty(0)).device  # the example is meta, shards not
     gm, plan = capture(example, {}, module=wrapper, prefix="model.", device=device)
     bind_tensors(gm, tp, plan, prefix="model.", rank=tp.rank)
-    inner = type(tp)(gm, plan, tp.rank, tp.group, tp.call_check.mode)
-    inner.capture_signature = lambda args, kwargs: capture(args, kwargs, module=wrapper,
-                                                           prefix="model.")
-    return inner
+    return type(tp)(gm, plan, tp.rank, tp.group, tp.call_check.mode,
+                    capture_signature=lambda args, kwargs: capture(args, kwargs, module=wrapper,
+                                                                   prefix="model."))
 
 
 def _release_cache(inner) -> None:

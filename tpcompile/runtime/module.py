@@ -8,6 +8,8 @@ any ``torch.optim`` optimizer works on them, and ``torch.compile`` traces straig
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 from torch import fx, nn
@@ -56,6 +58,9 @@ class TPModule(nn.Module):
         object.__setattr__(self, "skeleton_capture", skeleton_capture)
         # torch.compile arguments for generate()'s decode steps (compile_generation)
         object.__setattr__(self, "generation_compile", None)
+        # generate()'s static-cache modules by (batch, cache length), least recently used
+        # first (runtime/cache_modules.py)
+        object.__setattr__(self, "generation_modules", OrderedDict())
         # what a compiled call runs: identical blocks outlined into one nested compile region,
         # so Dynamo/AOT/inductor compile one block body, not one per layer (runtime/regions.py)
         regional, calls = regional_graph(gm)
@@ -135,7 +140,7 @@ class TPModule(nn.Module):
         captured eagerly on its first call, then compiled (a capture cannot run inside a
         compiled call). Tokens are the eager ones."""
         object.__setattr__(self, "generation_compile", dict(compile_kwargs))
-        for inner in self.__dict__.get("_generation", {}).values():
+        for inner in self.generation_modules.values():
             inner.__dict__.pop("compiled_decode", None)
 
     def reset_caches(self) -> None:
@@ -166,7 +171,7 @@ class TPModule(nn.Module):
         super()._apply(fn, recurse)
         for _, gm in self.signatures:
             bind_tensors(gm, self)
-        self.__dict__.pop("_generation", None)  # generate() re-binds its cached module
+        self.generation_modules.clear()  # generate() captures and binds them again
         return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -34,7 +34,7 @@ def _rank_main(rank: int, world_size: int, new_tokens: int) -> dict:
     args = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     got = tp.generate(ids, **args)
     want = model.generate(ids, **args)
-    inner = next(iter(tp._generation.values()))
+    inner = next(iter(tp.generation_modules.values()))
     decode = inner.signatures[-1][1] if inner.signatures else inner.graph_module
     caches = {n: b for n, b in inner.named_buffers() if "_cache_" in n}
     cache = sum(b.numel() * b.element_size() for b in caches.values())
