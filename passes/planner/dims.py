@@ -6,6 +6,7 @@ compared as sympy expressions so that no guard is ever added to the capture's sh
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -122,6 +123,14 @@ def _paired(a: list, b: list) -> list[tuple[list[int], list[int]]] | None:
 def _equal(pa, pb) -> bool:
     if isinstance(pa, int) and isinstance(pb, int):
         return pa == pb
+    return _symbolic_equal(pa, pb)
+
+
+# sympy.simplify costs milliseconds, and a model's views ask the same few questions many
+# times (a chunked recurrence: hundreds of views of the same symbolic sizes), so the
+# symbolic answers are kept; sympy expressions are immutable and hashable
+@functools.lru_cache(maxsize=4096)
+def _symbolic_equal(pa, pb) -> bool:
     return sympy.simplify(pa - pb) == 0
 
 
@@ -129,6 +138,11 @@ def _smaller(pa, pb) -> bool:
     """Whether product ``pa`` must grow to reach ``pb`` (symbols missing, or a smaller number)."""
     if isinstance(pa, int) and isinstance(pb, int):
         return pa < pb
+    return _symbolic_smaller(pa, pb)
+
+
+@functools.lru_cache(maxsize=4096)
+def _symbolic_smaller(pa, pb) -> bool:
     num, den = sympy.fraction(sympy.simplify(sympy.sympify(pa) / pb))
     if den.free_symbols - num.free_symbols:
         return True

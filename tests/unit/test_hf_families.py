@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 ABOVE: dict[str, str] = {}
 
 # with -m slow (CI time): their chunked recurrences (Mamba-2's scan, the gated delta rule) carry
-# symbolic sequence lengths through hundreds of ops, and torch.export and the planner spend a
-# minute or more in sympy at this tiny size
+# symbolic sequence lengths through hundreds of ops, and torch.export spends most of a minute
+# in sympy on them at this tiny size
 SLOW = {"BambaForCausalLM", "Qwen3_5ForCausalLM"}
 
 
