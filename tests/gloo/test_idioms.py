@@ -81,6 +81,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # Cohere / litgpt: x + attn(ln(x)) + mlp(ln(x)), the residual first: rank 0's share of the
     # two row-parallel outputs' partial sum, one forward all-reduce per block
     "parallel_block_residual_first": (2, 4),
+    # a DiT: each block's timestep embedder (called again by the final layer) and adaLN
+    # modulation run on one row per sample, kept whole by cost; attention and MLP cut
+    "dit_adaln_zero": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -110,7 +113,7 @@ NUMERICS_AT_4_IN_CI = ("torchtitan_llama3", "mqa", "mqa_sdpa_broadcast", "fused_
                        "moe_modulelist_top2", "moe_litgpt_index_put", "qk_norm_whole",
                        "mamba_selective_scan", "bmm_batch_heads_merged", "fused_qkv_mqa",
                        "fused_qkv_mqa_rotary", "mamba2_one_group", "mlp_normalize_hidden",
-                       "mla_latent_rope_cat", "moe_grouped_loop")
+                       "mla_latent_rope_cat", "moe_grouped_loop", "dit_adaln_zero")
 
 
 def _numerics_params() -> list:
