@@ -10,7 +10,8 @@ as tpcompile would like it.
 
 The models live by the step they write differently: :mod:`zoo.idioms.skeleton` (the baseline),
 ``positions``, ``projections``, ``attention``, ``mlps`` and ``blocks`` (how a block adds its
-attention and MLP to the residual); this module is the registry.
+attention and MLP to the residual); ``diffusion`` holds the one model of another skeleton, a
+DiT on latents and timesteps (its inputs in ``INPUTS``); this module is the registry.
 ``IDIOMS[name]`` is a zero-argument factory, ``build(name)`` the deterministic model,
 ``EXPECT[name]`` what a Megatron-style plan of it is: which parameters are column-parallel,
 row-parallel and replicated (fnmatch globs on parameter FQNs), and the all-reduces per layer.
