@@ -62,7 +62,7 @@ def corpus() -> dict:
     out = {}
     for ws in (2, 4):
         for name in idioms.IDIOMS:
-            out[f"idiom {name} ws{ws}"] = summary(idioms.build(name), idioms.example_inputs(),
+            out[f"idiom {name} ws{ws}"] = summary(idioms.build(name), idioms.example_inputs(name=name),
                                                   ws, {})
         for name in hf_sweep.REPRESENTATIVE:
             out[f"hf {name} ws{ws}"] = summary(hf_sweep.build(name), (hf_sweep.example_ids(),),

@@ -73,7 +73,7 @@ def _per_layer(rows, fields) -> str:
 
 def measure(name: str, world_size: int) -> dict:
     expect = idioms.EXPECT[name].at(world_size)
-    model, inputs = idioms.build(name), idioms.example_inputs(BATCH, SEQ)
+    model, inputs = idioms.build(name), idioms.example_inputs(BATCH, SEQ, name=name)
     row = {"idiom": name, "world_size": world_size,
            "megatron_bound": f"{expect.fwd_allreduce_per_layer}/{expect.bwd_allreduce_per_layer}"}
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
 
     out = {}
     for name in names:
-        model, inputs = idioms.build(name), idioms.example_inputs(BATCH, SEQ)
+        model, inputs = idioms.build(name), idioms.example_inputs(BATCH, SEQ, name=name)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -144,7 +144,8 @@ def _numerics_rank(rank: int, world_size: int, names: list[str]) -> dict:
                 # and at another batch and length: sizes the graph computes from symbolic dims
                 # (a merged batch * heads, say) must follow the call, not the example
                 tp.zero_grad()
-                other = compare(model, tp, idioms.example_inputs(BATCH + 1, SEQ - 5, seed=1))
+                other = compare(model, tp, idioms.example_inputs(BATCH + 1, SEQ - 5, seed=1,
+                                                                      name=name))
             out[name] = (max(c.output_err, other.output_err), max(c.max_grad_err, other.max_grad_err))
         except Exception as e:  # noqa: BLE001 - raised alike on every rank (plans agree)
             out[name] = _first_line(e)

@@ -62,11 +62,11 @@ def plan_model(model: nn.Module, example_inputs, world_size: int, example_kwargs
 
     Returns ``(cap, plan)``: the planned capture (``cap.gm`` is the graph the plan names) and
     the :class:`ShardingPlan`. ``options``: ``vocab_parallel``, ``loss_parallel``,
-    ``sequence_parallel``, ``experts`` (see :class:`PlanOptions`). ``dynamic=False`` captures at the
-    example's sizes only: the same plan, 2.5x faster on a large model, for planning that
-    never runs the graph at other sizes. ``reuse_blocks`` (default) exports three of the
-    model's identical blocks and repeats one (:mod:`tpcompile.core.stamp`): the same plan,
-    faster; False exports every block.
+    ``sequence_parallel``, ``experts``, ``chain_cost`` (see :class:`PlanOptions`).
+    ``dynamic=False`` captures at the example's sizes only: the same plan, 2.5x faster on a
+    large model, for planning that never runs the graph at other sizes. ``reuse_blocks``
+    (default) exports three of the model's identical blocks and repeats one
+    (:mod:`tpcompile.core.stamp`): the same plan, faster; False exports every block.
     """
     planned = pipeline.plan(model, example_inputs, world_size, example_kwargs,
                             options=PlanOptions(**options), dynamic=dynamic,
@@ -90,7 +90,7 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                 vocab_parallel: bool = False, loss_parallel: bool = False,
                 sequence_parallel: bool = False, check_calls: str = "new",
                 reuse_blocks: bool = True, activation_checkpointing: str | None = None,
-                experts: str = "tensor") -> TPModule:
+                experts: str = "tensor", chain_cost: str = "cuda") -> TPModule:
     """Shard ``model`` Megatron-style over the ranks of ``mesh`` (default: the world group).
 
     Args:
@@ -124,6 +124,10 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         experts: how stacked ``(experts, out, in)`` expert weights are cut: ``"tensor"`` (each
             expert column -> row), ``"expert"`` (whole experts per rank, one all-reduce per MoE
             block) or ``"auto"`` (per block, the smaller share); see docs/parallelism.md.
+        chain_cost: the device (``"cuda"``, ``"cpu"``) whose constants price chains that run
+            on one row per sample (a timestep embedder, an adaLN modulation), kept whole where
+            their all-reduces cost more than they save, or ``"off"`` to shard every chain; see
+            docs/parallelism.md.
 
     Returns:
         a :class:`TPModule` holding this rank's shards only, with the model's parameter names;
@@ -139,7 +143,8 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
     check_mode(check_calls)  # before planning, which takes a while
     warn_if_unbounded(group)
     options = PlanOptions(vocab_parallel=vocab_parallel, loss_parallel=loss_parallel,
-                          sequence_parallel=sequence_parallel, experts=experts)
+                          sequence_parallel=sequence_parallel, experts=experts,
+                          chain_cost=chain_cost)
     planned, gm = _agreed_rank_graph(model, example_inputs, example_kwargs, group, options,
                                      reuse_blocks)
     kept, dropped = _checkpoint_regions(gm, activation_checkpointing)

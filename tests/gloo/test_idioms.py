@@ -81,6 +81,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # Cohere / litgpt: x + attn(ln(x)) + mlp(ln(x)), the residual first: rank 0's share of the
     # two row-parallel outputs' partial sum, one forward all-reduce per block
     "parallel_block_residual_first": (2, 4),
+    # a DiT: each block's timestep embedder (called again by the final layer) and adaLN
+    # modulation run on one row per sample, kept whole by cost; attention and MLP cut
+    "dit_adaln_zero": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -103,11 +106,11 @@ def test_plan_is_megatrons(name, world_size):
 
 
 # on gloo ranks: every idiom at 2 ranks; at 4, two of each kind whose plan differs there (fewer
-# KV heads than ranks, uneven chunks, experts, a statistic), the rest with -m slow (CI time;
-# their 4-rank plans are checked above)
+# KV heads than ranks, uneven chunks, experts, a statistic) and the DiT (conditioning whole by
+# cost), the rest with -m slow (CI time; their 4-rank plans are checked above)
 NUMERICS_AT_4_IN_CI = ("mqa", "fused_qkv_mqa_rotary", "fused_qkv_slices", "packed_weight_split",
                        "moe_litgpt_index_put", "moe_grouped_loop", "qk_norm_whole",
-                       "mlp_normalize_hidden")
+                       "mlp_normalize_hidden", "dit_adaln_zero")
 
 
 def _numerics_params() -> list:

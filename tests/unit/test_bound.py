@@ -33,7 +33,7 @@ def _counts(bound) -> set[tuple[int, int]]:
 
 @pytest.mark.parametrize("name", sorted(idioms.IDIOMS))
 def test_idiom_bound_is_the_corpus_plan(name):
-    cap = captured(idioms.build(name), idioms.example_inputs(2, 16))
+    cap = captured(idioms.build(name), idioms.example_inputs(2, 16, name=name))
     for ws in (2, 4):
         expect, bound = idioms.EXPECT[name].at(ws), megatron_bound(cap, ws)
         for w, style in bound.styles.items():

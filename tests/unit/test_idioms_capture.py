@@ -33,12 +33,17 @@ def test_docs_support_table_has_a_row_per_idiom():
     assert set(idioms.STYLES) == set(NAMES)
 
 
+def _output_shape(name: str, inputs: tuple) -> tuple:
+    """Logits over the vocabulary per token; a DiT's prediction has its latents' shape."""
+    return tuple(inputs[0].shape) if name in idioms.INPUTS else (*inputs[0].shape, idioms.VOCAB)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_runs_forward_and_backward_unsharded(name):
     model = idioms.build(name)
-    (tokens,) = idioms.example_inputs()
-    logits = model(tokens)
-    assert logits.shape == (*tokens.shape, idioms.VOCAB) and logits.dtype == torch.float32
+    inputs = idioms.example_inputs(name=name)
+    logits = model(*inputs)
+    assert logits.shape == _output_shape(name, inputs) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
     logits.logsumexp(-1).mean().backward()
     for fqn, p in model.named_parameters():
@@ -51,7 +56,7 @@ def test_build_is_deterministic(name):
     a, b = idioms.build(name), idioms.build(name)
     for (fqn, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), fqn
-    inputs = idioms.example_inputs()
+    inputs = idioms.example_inputs(name=name)
     assert torch.equal(a(*inputs), b(*inputs))
 
 
@@ -75,7 +80,7 @@ def test_expect_names_every_parameter_once(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_export_captures_exactly(name):
     model = idioms.build(name)
-    inputs = idioms.example_inputs()
+    inputs = idioms.example_inputs(name=name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, inputs, strict=False)
@@ -87,7 +92,8 @@ def test_tpcompile_captures_with_dynamic_sizes_and_plans(name):
     model = idioms.build(name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cap, plan = plan_model(model, idioms.example_inputs(), 2)
+        cap, plan = plan_model(model, idioms.example_inputs(name=name), 2)
     assert not [str(w.message) for w in caught if "tpcompile" in str(w.message)]
     assert {fqn for fqn, _ in model.named_parameters()} <= set(plan.params)
-    assert cap.gm(*idioms.example_inputs(batch=3, seq=5)).shape == (3, 5, idioms.VOCAB)
+    other = idioms.example_inputs(batch=3, seq=5, name=name)
+    assert cap.gm(*other).shape == _output_shape(name, other)

@@ -246,7 +246,7 @@ def test_histc_reads_its_input_whole_and_counts_replicated():
 
 def _idiom_plan(name, ws, **options):
     from zoo import idioms
-    return plan_model(idioms.build(name), idioms.example_inputs(), ws, **options)[1]
+    return plan_model(idioms.build(name), idioms.example_inputs(name=name), ws, **options)[1]
 
 
 @pytest.mark.parametrize("ws", [2, 4])

@@ -56,12 +56,16 @@ class PlanOptions:
     picks by a cost model (``passes/planner/experts.py``), and expert-TP under sequence
     parallelism, whose sequence-sharded tokens whole experts cannot take without an
     all-to-all dispatch (not implemented: ``"expert"`` with it is refused).
+    ``chain_cost``: the device whose constants price per-sample chains (conditioning MLPs on
+    one row per sample), kept whole where they do not pay
+    (``passes/planner/chain_cost.py``), or ``"off"`` to shard every chain found.
     """
 
     vocab_parallel: bool = False
     loss_parallel: bool = False
     sequence_parallel: bool = False
     experts: str = "tensor"
+    chain_cost: str = "cuda"
 
     def __post_init__(self):
         if self.experts not in EXPERT_MODES:

@@ -20,7 +20,12 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   ``topk`` (a router gate); a colwise matmul whose output reaches no rowwise one (its cut would
   have to be gathered); a colwise matmul whose output is viewed as fewer heads than ranks (KV
   heads) or whose output features do not divide; every weight outside the repeated blocks
-  (embeddings, heads: Megatron's default layout), where the bound pays nothing (``outside``).
+  (embeddings, heads: Megatron's default layout), where the bound pays nothing (``outside``);
+  a matmul on one row per sample (a timestep embedder, an adaLN modulation on ``(batch, dim)``
+  in a model with token rows) whose chain (it, the matmuls it feeds, their weights, their
+  outputs' all-reduces and its input's gradient sync) does not pay under the planner's cost
+  rule (:func:`~tpcompile.passes.planner.chain_cost.chain_cost`, the same predicate the
+  planner asks), judged in graph order before the styles, so that it starts no chain.
   A model with no repeated blocks is judged as one block. A bias follows a colwise weight and
   stays whole with a rowwise one.
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
@@ -67,6 +72,7 @@ from tpcompile.inspect.bound_graph import (
     whole_read,
 )
 from tpcompile.inspect.chains import layer_of
+from tpcompile.passes.planner.chain_cost import batch_of, chain_cost, cost_device, per_sample_rows
 from tpcompile.passes.planner.quantized import is_quantized_storage, weight_targets
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
@@ -105,10 +111,15 @@ class Bound:
         return sorted(w for w, s in self.styles.items() if s != "whole")
 
 
-def _roles(mms: list[Matmul], world_size: int, layer: str) -> tuple[dict, dict]:
-    """matmul node -> colwise | rowwise | whole, and the reason of each whole one."""
+def _roles(mms: list[Matmul], world_size: int, layer: str,
+           unpaid: dict) -> tuple[dict, dict]:
+    """matmul node -> colwise | rowwise | whole, and the reason of each whole one (``unpaid``:
+    the per-sample matmuls kept whole by cost, with theirs)."""
     role, why = {}, {}
     for m in mms:
+        if m.node in unpaid:
+            role[m.node], why[m.node] = "whole", unpaid[m.node]
+            continue
         if m.router:
             role[m.node], why[m.node] = "whole", "a router gate (its output picks experts by topk)"
             continue
@@ -141,6 +152,30 @@ def _roles(mms: list[Matmul], world_size: int, layer: str) -> tuple[dict, dict]:
             role[m.node], why[m.node] = "whole", (
                 f"{m.out_features} output features do not divide over {world_size} ranks")
     return role, why
+
+
+def _unpaid(cap: Capture, mms: list[Matmul], world_size: int, device_name: str,
+            carriers: set) -> dict:
+    """Per-sample matmuls whose chain does not pay (module docstring), in graph order: one kept
+    whole starts no chain, so the next matmul reading it is judged as a chain's start."""
+    device, batch = cost_device(device_name), batch_of(cap.gm)
+    if device is None or world_size < 2 or all(per_sample_rows(m.activation, batch) for m in mms):
+        return {}
+    stored = {n.target: n for n in cap.gm.graph.find_nodes(op="get_attr")}
+    by_node, unpaid = {m.node: m for m in mms}, {}
+    for m in mms:
+        if not per_sample_rows(m.activation, batch) or any(
+                u in by_node and u not in unpaid for u in m.upstream):
+            continue  # on token rows, or the row-parallel end of another chain
+        rows = [by_node[d] for d in m.downstream if d in by_node]
+        weights = [stored[w] for w in m.weights + m.biases + [w for r in rows for w in r.weights]
+                   if w in stored]
+        synced = [m.activation] if m.activation in carriers else []
+        cost = chain_cost([m.node] + [r.node for r in rows], weights,
+                          [r.node for r in rows] + synced, batch, world_size, device)
+        if not cost.pays:
+            unpaid[m.node] = f"kept whole by cost: {cost}"
+    return unpaid
 
 
 def whole_rows(m: Matmul, world_size: int) -> int:
@@ -248,8 +283,9 @@ def _undequantized(cap: Capture, found: list[Matmul]) -> list[str]:
             and is_quantized_storage(n)]
 
 
-def megatron_bound(cap: Capture, world_size: int) -> Bound:
-    """Megatron's plan of ``cap``'s model on ``world_size`` ranks (see the module docstring)."""
+def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> Bound:
+    """Megatron's plan of ``cap``'s model on ``world_size`` ranks (see the module docstring);
+    ``chain_cost``: the device the cost rule prices per-sample chains on (``PlanOptions``')."""
     found = find_matmuls(cap, LOW_RANK)
     mms = [m for m in found if m.out_features and m.in_features]
     undecided = [f"{w}: its matmul's features have no example size" for m in found
@@ -265,7 +301,8 @@ def megatron_bound(cap: Capture, world_size: int) -> Bound:
                 for w in m.weights + m.biases:
                     styles[w], reasons[w] = "whole", "outside the repeated blocks"
             continue
-        role, why = _roles(group, world_size, layer)  # a model without blocks: one block
+        unpaid = _unpaid(cap, group, world_size, chain_cost, carriers)
+        role, why = _roles(group, world_size, layer, unpaid)  # a model without blocks: one block
         for m in group:
             style = role[m.node]
             for w in m.weights:

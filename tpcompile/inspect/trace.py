@@ -85,7 +85,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
                             progress=progress or (lambda message: None))
     cap, plan = planned.cap, planned.plan
     chains, chain_of = find_chains(cap.gm, plan)
-    bound = megatron_bound(cap, world_size)
+    bound = megatron_bound(cap, world_size, options.chain_cost)
     before = {n.name: _literals(n) for n in cap.gm.graph.nodes if n.op == "call_function"}
     _tell(progress, f"rewriting the graph of rank {rank}")
     gm, records = pipeline.rewrite(planned, rank, group_name, record=render or False,

@@ -10,7 +10,8 @@ as tpcompile would like it.
 
 The models live by the step they write differently: :mod:`zoo.idioms.skeleton` (the baseline),
 ``positions``, ``projections``, ``attention``, ``mlps`` and ``blocks`` (how a block adds its
-attention and MLP to the residual); this module is the registry.
+attention and MLP to the residual); ``diffusion`` holds the one model of another skeleton, a
+DiT on latents and timesteps (its inputs in ``INPUTS``); this module is the registry.
 ``IDIOMS[name]`` is a zero-argument factory, ``build(name)`` the deterministic model,
 ``EXPECT[name]`` what a Megatron-style plan of it is: which parameters are column-parallel,
 row-parallel and replicated (fnmatch globs on parameter FQNs), and the all-reduces per layer.
@@ -37,11 +38,13 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
 from zoo.idioms.blocks import ParallelResidualFirst
+from zoo.idioms.diffusion import DiT, dit_inputs
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
                              InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM,
                              RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
 
-__all__ = ["IDIOMS", "EXPECT", "Expect", "STYLES", "LAYERS", "VOCAB", "build", "example_inputs"]
+__all__ = ["IDIOMS", "EXPECT", "Expect", "INPUTS", "STYLES", "LAYERS", "VOCAB", "build",
+           "example_inputs"]
 
 
 # ----------------------------------------------------------------- what the plan should be
@@ -266,6 +269,15 @@ _REGISTRY = [
      Expect(colwise=BASELINE.colwise, rowwise=BASELINE.rowwise,
             replicated=("embed.weight", "head.weight", "norm.weight", "layers.*.norm.weight"),
             fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
+    # a hand plan of a DiT: attention heads and the MLP cut, one all-reduce each per block
+    # forward and backward; the conditioning (each block's timestep embedder, which the final
+    # layer calls again, and its adaLN modulation) on one row per sample kept whole by cost,
+    # the patch embed and the output projection whole
+    ("dit_adaln_zero", DiT,
+     Expect(colwise=ATTN_COL + _in_layers("mlp.fc1.weight", "mlp.fc1.bias"),
+            rowwise=ATTN_ROW + _in_layers("mlp.fc2.weight"),
+            replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "layers.*.mlp.fc2.bias")
+            + _in_layers("emb.*", "adaLN.*"))),
 ]
 # what each idiom writes its own way, for the support table bench/idioms.py generates
 STYLES = {
@@ -312,7 +324,10 @@ STYLES = {
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
     "parallel_block_residual_first": "Cohere / litgpt `parallel_residual`: one norm, `x + attn(ln(x)) + mlp(ln(x))` with the residual added first",
+    "dit_adaln_zero": "diffusers DiT (`ada_norm_zero`): Conv2d patch embed, a timestep embedder MLP per block (the final layer calls block 0's again), `Linear(D, 6D)` adaLN-Zero modulation, `proj_out_1` / `proj_out_2`",
 }
+# idiom -> its inputs ``(batch, seq, seed) -> tuple`` when not token ids: ``seq`` tokens
+INPUTS = {"dit_adaln_zero": dit_inputs}
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}
 
@@ -323,6 +338,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return IDIOMS[name]()
 
 
-def example_inputs(batch: int = 2, seq: int = 16, seed: int = 0) -> tuple:
+def example_inputs(batch: int = 2, seq: int = 16, seed: int = 0, name: str = "") -> tuple:
+    """Idiom ``name``'s inputs of ``batch`` samples of ``seq`` tokens (token ids by default)."""
+    if name in INPUTS:
+        return INPUTS[name](batch, seq, seed)
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(0, VOCAB, (batch, seq), generator=g),)

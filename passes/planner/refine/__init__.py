@@ -10,6 +10,8 @@ again, until no stage adds anything. Why this order:
 - *demands* and the *tied tables* / *early reductions* / *cache cuts* change how propagation
   cuts roots; they settle before regions are judged, since a killed root stays killed;
 - *dead regions* (and the other reasons to keep a root whole) judge every region at once;
+  *unpaid chains* last among them, so that a region refused for what it cannot do is named
+  for that, not for its cost;
 - *partials joining shards* is judged once every region stands: a shard joined in a region
   about to be killed is no reason to keep a side chain whole;
 - *partials reduced in pieces* merges reductions only of regions that stand as written;
@@ -35,6 +37,7 @@ from tpcompile.passes.planner.refine.partials_joining_shards import partials_joi
 from tpcompile.passes.planner.refine.partials_reduced_in_pieces import partials_reduced_in_pieces
 from tpcompile.passes.planner.refine.stale_ties import stale_ties
 from tpcompile.passes.planner.refine.tied_tables import tied_tables
+from tpcompile.passes.planner.refine.unpaid_chains import unpaid_chains
 from tpcompile.passes.planner.refine.whole_grads_into_chunks import whole_grads_into_chunks
 from tpcompile.passes.planner.refine.written_copies import written_copies
 
@@ -44,7 +47,8 @@ __all__ = ["Decision", "FINISH", "REFINEMENTS"]
 REFINEMENTS = (
     ("demands", (demands,)),
     ("cuts", (tied_tables, mixed_partials, cache_cuts)),
-    ("regions", (dead_regions, written_copies, stale_ties, whole_grads_into_chunks)),
+    ("regions", (dead_regions, written_copies, stale_ties, whole_grads_into_chunks,
+                 unpaid_chains)),
     ("joins", (partials_joining_shards,)),
     ("pieces", (partials_reduced_in_pieces,)),
     ("carried", (carried_sums,)),

@@ -1,0 +1,76 @@
+"""Unpaid chains: a per-sample column -> row chain that costs more than it saves stays whole.
+
+A region (roots that meet in one op, as :mod:`.dead_regions` forms them) whose column matmuls
+all read one row per sample (their activation has no more rows than the model's batch, while
+the model's largest matmul activation has more: the token rows) is priced by
+:func:`~tpcompile.passes.planner.chain_cost.chain_cost`: its matmuls (column and row) and the
+weights it cuts against its all-reduces, forward (the partial sums behind its roots, reduced)
+and backward (each column input that carries a gradient). A region that does not pay is killed
+with the numbers that decided it, which ``explain`` lists with the weight's source line. Regions
+on token rows are never judged: they pay at any deployment's size, so no language model's plan
+changes. The batch is dim 0 of the model's first input.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+from torch import fx
+
+from tpcompile.core.placement import Partial, Shard
+from tpcompile.passes.planner.chain_cost import (ChainCost, batch_of, chain_cost, cost_device,
+                                                 operands, per_sample_rows, stored)
+from tpcompile.passes.planner.propagate import Constraints, Propagation
+from tpcompile.passes.planner.reads import consumed, roots_behind
+from tpcompile.passes.planner.refine.decision import Decision
+from tpcompile.passes.planner.rules import is_param_matmul
+
+__all__ = ["unpaid_chains"]
+
+
+def unpaid_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> Decision:
+    """Kill the roots of per-sample regions whose collectives cost more than they save."""
+    device = cost_device(constraints.options.chain_cost)
+    if device is None or state.specs.world_size < 2 or not state.roots:
+        return Decision()
+    batch = batch_of(gm)
+    users = {u for found in state.root_users.values() for u in found}
+    if all(_per_sample(u, batch) for u in users):
+        return Decision()  # no token rows: nothing scales differently from the rest
+    regions = nx.Graph()
+    regions.add_nodes_from(state.roots)
+    regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
+    dead = {}
+    for component in nx.connected_components(regions):
+        cols = {u for r in component for u in state.root_users.get(r, ())}
+        if not all(_per_sample(u, batch) for u in cols):
+            continue
+        cost = _price(state, constraints.needs_grad, component, cols, batch, device)
+        if not cost.pays:
+            names = ", ".join(sorted(u.name for u in cols))
+            why = f"kept whole by cost: sharding it ({names}) does not pay: {cost}"
+            dead.update((root, why) for root in component)
+    return Decision(killed=dead)
+
+
+def _price(state: Propagation, needs_grad: frozenset, component: set, cols: set, batch: int,
+           device) -> ChainCost:
+    """The chain cost of one region: its matmuls, its cut weights, its all-reduces."""
+    rows = {n for n, p in state.placements.items() if p is not None
+            and not isinstance(p, (Shard, list, tuple)) and is_param_matmul(n)
+            and any(_sharded_from(state, a, n, component) for a in n.all_input_nodes)}
+    weights = {w for n in cols | rows for a in n.all_input_nodes
+               if _sharded_from(state, a, n, component) and (w := stored(a)) is not None}
+    reduced = {v for (v, _), dst in state.conversions.items()
+               if isinstance(state.placements.get(v), Partial) and not isinstance(dst, Partial)
+               and roots_behind(state, v, set()) & component}
+    synced = {a for u in cols if (a := operands(u)[0]) is not None and a in needs_grad}
+    return chain_cost(cols | rows, weights, reduced | synced, batch, state.specs.world_size, device)
+
+
+def _sharded_from(state: Propagation, value: fx.Node, user: fx.Node, component: set) -> bool:
+    p = consumed(state, value, user)
+    return isinstance(p, Shard) and p.layout.root in component
+
+
+def _per_sample(matmul: fx.Node, batch: int | None) -> bool:
+    return per_sample_rows(operands(matmul)[0], batch)

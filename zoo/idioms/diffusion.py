@@ -1,0 +1,108 @@
+"""A diffusion transformer (DiT) in diffusers' layout: conditioning chains beside the blocks.
+
+Latents ``(B, C, 3, 3T)`` are cut into ``T`` patches of ``3 x 3`` by a strided Conv2d (so any
+token count ``T`` makes an image; 3, not diffusers' usual 2, so that no size of the example
+equals its batch of 2, which export would take for the same symbol), then ``LAYERS`` adaLN-Zero blocks and a final adaLN layer
+project the tokens back to patches. As in diffusers' ``DiTTransformer2DModel`` with
+``norm_type="ada_norm_zero"``, every block owns a timestep embedder (sinusoidal features ->
+Linear -> SiLU -> Linear) and its modulation (SiLU -> ``Linear(D, 6D)`` chunked into shift,
+scale and gate for attention and MLP), and the final layer calls the *first* block's embedder
+again. The attention (non-causal SDPA, separate q/k/v/o) and the GELU MLP are the blocks' two
+column -> row chains; the conditioning runs on ``(B, D)``: one row per sample, whatever the
+image size, which is why a hand plan keeps it whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.idioms.skeleton import D, HIDDEN, LAYERS, Attention
+
+CHANNELS, PATCH, FREQUENCIES = 4, 3, 32
+
+
+class FullAttention(Attention):
+    """The baseline attention, every token seeing every other (an image has no order)."""
+
+    def attend(self, q, k, v, *extra):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class GeluMLP(nn.Module):
+    """DiT's MLP: fc2(gelu_tanh(fc1 x)), with biases."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, hidden), nn.Linear(hidden, D)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal features of the timestep -> Linear -> SiLU -> Linear: ``(B,) -> (B, D)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear_1, self.linear_2 = nn.Linear(FREQUENCIES, D), nn.Linear(D, D)
+
+    def forward(self, t):
+        half = FREQUENCIES // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
+        angles = t.float()[:, None] * freqs[None]
+        return self.linear_2(F.silu(self.linear_1(torch.cat([angles.cos(), angles.sin()], -1))))
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero: the block's own embedder conditions both residual branches."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = TimestepEmbedder()
+        self.adaLN = nn.Linear(D, 6 * D)
+        self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.attn, self.mlp = FullAttention(), GeluMLP()
+
+    def forward(self, x, t):
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = \
+            self.adaLN(F.silu(self.emb(t))).chunk(6, dim=-1)
+        x = x + gate_a[:, None] * self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        return x + gate_m[:, None] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+
+
+class DiT(nn.Module):
+    """Patch embed -> adaLN-Zero blocks -> final adaLN -> patches; ``forward(latents, t)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(CHANNELS, D, PATCH, stride=PATCH)
+        self.layers = nn.ModuleList(DiTBlock() for _ in range(LAYERS))
+        self.norm_out = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.proj_out_1 = nn.Linear(D, 2 * D)
+        self.proj_out_2 = nn.Linear(D, PATCH * PATCH * CHANNELS)
+
+    def forward(self, latents, t):
+        B, C, H, W = latents.shape
+        x = self.patch(latents).flatten(2).transpose(1, 2)  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x, t)
+        shift, scale = self.proj_out_1(F.silu(self.layers[0].emb(t))).chunk(2, dim=-1)
+        x = self.proj_out_2(modulate(self.norm_out(x), shift, scale))
+        x = x.view(B, H // PATCH, W // PATCH, PATCH, PATCH, C)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+
+
+def dit_inputs(batch: int, seq: int, seed: int) -> tuple:
+    """Latents of ``seq`` patches and one timestep per sample."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, CHANNELS, PATCH, PATCH * seq, generator=g),
+            torch.randint(0, 1000, (batch,), generator=g))
