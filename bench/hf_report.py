@@ -137,7 +137,11 @@ def report_markdown(rows, meta, n_found) -> str:
              f"(`tpcompile.tools.numerics.compare`, tolerance {TOLERANCE:g})."
              + (f" Plans and bound judged again on {meta['rejudged']} (`python -m "
                 "bench.hf_sweep --rejudge`): a row keeps the numerics of the full run only "
-                "where its plan is unchanged." if meta.get("rejudged") else ""), "",
+                "where its plan is unchanged." if meta.get("rejudged") else "")
+             + (f" {meta['merged']['families']} families measured again on "
+                f"{meta['merged']['date']} (`--only ... --merge"
+                f"{' --numerics' if meta['merged']['numerics'] else ''}`), their rows replaced."
+                if meta.get("merged") else ""), "",
              "## Misses by category", "",
              "| category | families | examples |", "|---|---:|---|"]
     by_cat: dict[str, list[str]] = {}

@@ -227,13 +227,17 @@ def main(argv=None) -> None:
               f"{row.get('why', row.get('per_layer', ''))[:150]} "
               f"{numerics_cell(row) if args.numerics else ''}", file=sys.stderr, flush=True)
     full = not args.only and not args.representative
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "world_size": WORLD_SIZE, "batch": BATCH, "seq": SEQ, "numerics": args.numerics}
     if args.merge:  # replace these families' rows in the full sweep's results
         old = json.loads((RESULTS / "hf_sweep.json").read_text())
         fresh = {r["family"]: r for r in rows}
         rows = [fresh.pop(r["family"], r) for r in old["rows"]] + list(fresh.values())
         full = True
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "world_size": WORLD_SIZE, "batch": BATCH, "seq": SEQ, "numerics": args.numerics}
+        meta = {**{k: old[k] for k in ("rejudged", "numerics") if k in old},
+                **{k: v for k, v in meta.items() if k != "numerics"},
+                "merged": {"date": time.strftime("%Y-%m-%d"), "families": len(names),
+                           "numerics": args.numerics}}
     text = report_markdown(rows, meta, len(found) if full else len(names))
     json_path = Path(args.json) if args.json else RESULTS / "hf_sweep.json" if full else None
     if json_path:
