@@ -71,6 +71,24 @@ def init_world(device: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def hf_check(check: str, args, run, report) -> int:
+    """The entry of a GPU check on a Hugging Face model: a skip (exit 0) without CUDA or
+    transformers, else ``run(args)``, its result written to results/gpu-<check>-<device>.json,
+    and ``report``'s exit status."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"bench/gpu_{check.replace('-', '_')}.py: no CUDA device; skipped")
+        return 0
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"bench/gpu_{check.replace('-', '_')}.py: transformers is not installed; skipped")
+        return 0
+    result = run(args)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"gpu-{check}-{args.device}.json").write_text(json.dumps(result, indent=1))
+    return report(result)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

@@ -25,7 +25,6 @@ bench/results/gpu-hf-decode-<device>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -33,7 +32,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from bench.gpu_decode import RESULTS, init_world
+from bench.gpu_decode import hf_check, init_world
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -134,19 +133,7 @@ def report(result: dict) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench/gpu_hf_decode.py: no CUDA device; skipped")
-        return 0
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("bench/gpu_hf_decode.py: transformers is not installed; skipped")
-        return 0
-    result = run(args)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"gpu-hf-decode-{args.device}.json").write_text(json.dumps(result, indent=1))
-    return report(result)
+    return hf_check("hf-decode", parse(argv), run, report)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Writes bench/results/gpu-memory-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bench.gpu import _fake_world
-from bench.gpu_decode import RESULTS
+from bench.gpu_decode import hf_check
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -119,19 +118,7 @@ def report(r: dict) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench/gpu_memory.py: no CUDA device; skipped")
-        return 0
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("bench/gpu_memory.py: transformers is not installed; skipped")
-        return 0
-    result = run(args)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"gpu-memory-{args.device}.json").write_text(json.dumps(result, indent=1))
-    return report(result)
+    return hf_check("memory", parse(argv), run, report)
 
 
 if __name__ == "__main__":
