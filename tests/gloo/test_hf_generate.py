@@ -120,6 +120,7 @@ def test_decode_steps_after_the_first_skip_the_checks_they_repeat():
         assert c["bad_pad"].startswith("InputError: input input_ids: token id 999 is out of range")
 
 
+@pytest.mark.slow  # CI time: a performance property, and its numbers are a benchmark's
 def test_python_calls_outside_the_graphs_do_not_grow_with_the_layers():
     """A warm greedy ``generate``'s Python function calls outside the model's graphs (checks,
     flattening, the cache's reset, the loop) are the same for a 2- and a 4-layer Llama, per

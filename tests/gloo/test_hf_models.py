@@ -24,7 +24,7 @@ CASES = [("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False
 # file), the cases whose plan differs from 2 ranks' (fewer KV heads than ranks) and one traced
 # loss; the others run at 4 ranks with -m slow (CI time)
 AT_4_IN_CI = {("llama", False), ("llama_mqa", False), ("gpt2", False), ("bert", False),
-              ("mixtral", False), ("llama", True), ("gpt2", True), ("llama_deep", False)}
+              ("mixtral", False), ("llama", True)}
 
 
 # BART and Whisper hold one config object (they captured before the config switch reached
