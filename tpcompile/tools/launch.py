@@ -55,11 +55,9 @@ def _child(rank, world_size, store_path, target, args, results, timeout, env):
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         try:
-            value = _resolve(target)(rank, world_size, *args)
-            # an unpicklable result fails here, reported; in the queue's feeder thread it would
-            # be dropped, and the rank seen to exit 0 with nothing to say
-            pickle.dumps(value)
-            results.put((rank, True, value))
+            # pickled here, once: an unpicklable result fails in this try and is reported; in
+            # the queue's feeder thread it would be dropped, the rank seen to exit 0 silently
+            results.put((rank, True, pickle.dumps(_resolve(target)(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -119,4 +117,4 @@ def run_on_ranks(target: str, world_size: int, *args, timeout: float = 600.0,
     if failures or missing:
         lines = failures + ([f"--- ranks {missing} did not finish within {timeout:.0f}s"] if missing else [])
         raise RankError(f"{target} failed on {world_size} ranks:\n" + "\n".join(lines))
-    return [got[r][1] for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(world_size)]
