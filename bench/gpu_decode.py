@@ -39,8 +39,10 @@ import torch.distributed as dist
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decoder_parser(description: str) -> argparse.ArgumentParser:
+    """The decode checks' arguments: the device, the dtype and the decoder's shape (this
+    script's decoder; bench/gpu_hf_decode.py builds a Hugging Face Llama of the same shape)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="float32 keeps greedy ties apart, so tokens compare exactly")
@@ -52,6 +54,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--new", type=int, default=64)
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = decoder_parser(__doc__.splitlines()[0])
     args = p.parse_args(argv)
     if args.prompt < 2 or args.new < 2:
         p.error("--prompt and --new must be at least 2 (a prefill call and decode calls)")

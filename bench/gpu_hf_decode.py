@@ -4,7 +4,8 @@
     bash bench/gpu.sh hf-decode --device cpu # the rehearsal: the same code at tiny sizes
 
 One random ``transformers.LlamaForCausalLM`` (dim 2048, 8 layers, 16 query / 8 KV heads,
-vocabulary 32000 by default: bench/gpu_decode.py's decoder shape), batch 1, greedy, four paths:
+vocabulary 32000 by default: bench/gpu_decode.py's decoder shape and arguments), batch 1 by
+default, greedy, four paths:
 
 - ``hf eager``: ``model.generate`` with transformers' default dynamic cache;
 - ``hf static compiled``: ``model.generate(cache_implementation="static")``, which on CUDA
@@ -32,22 +33,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from bench.gpu_decode import hf_check, init_world
+from bench.gpu_decode import decoder_parser, hf_check, init_world
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--new", type=int, default=64)
+    p = decoder_parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.new < 3:
+        p.error("--new must be at least 3 (per token: the time of --new tokens less that of 2)")
+    return args
 
 
 def _paths(model, ids, device: str) -> dict:
@@ -83,14 +78,14 @@ def run(args) -> dict:
     from torch._dynamo.utils import counters
 
     init_world(args.device)
-    warnings.filterwarnings("ignore", message="tpcompile: input .* has size 1")  # batch 1 is fixed
+    warnings.filterwarnings("ignore", message="tpcompile: input .* has size 1")  # batch 1: fixed
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim,
                             intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                             max_position_embeddings=args.prompt + args.new + 16)
     model = tf.LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
-    ids = torch.randint(1, args.vocab, (1, args.prompt),
+    ids = torch.randint(1, args.vocab, (args.batch, args.prompt),
                         generator=torch.Generator().manual_seed(1)).to(args.device)
     rows = {}
     with torch.no_grad():
@@ -120,7 +115,7 @@ def report(result: dict) -> int:
     c, rows = result["config"], result["rows"]
     print(f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}: "
           f"HF Llama {c['layers']} layers, dim {c['dim']}, {c['heads']}/{c['kv_heads']} heads, "
-          f"vocab {c['vocab']}, batch 1, prompt {c['prompt']}, {c['new']} new tokens, {c['dtype']}, "
+          f"vocab {c['vocab']}, batch {c['batch']}, prompt {c['prompt']}, {c['new']} new tokens, {c['dtype']}, "
           f"world size 1\n")
     print("| path | ms / token (decode) | prefill + 2 tokens ms | dynamo graphs | tokens = hf eager |")
     print("|---|---:|---:|---:|---|")
