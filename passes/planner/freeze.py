@@ -194,7 +194,7 @@ def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str]
                        ws: int) -> str:
     users = list(node.users)
     if node.target in cap.subclass_parts and node.target not in cap.params:
-        return undequantized_reason(node)
+        return killed.get(node.target) or _scales_a_sum(node, state) or undequantized_reason(node)
     if node.target not in cap.params:
         return "buffer"
     if node.target in killed:
@@ -211,6 +211,16 @@ def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str]
     if user is not None and is_param_matmul(user):
         return "its matmul's input is not sharded on a dim it can split"
     return "not a matmul weight (norms, embeddings and biases of replicated ops stay whole)"
+
+
+def _scales_a_sum(node: fx.Node, state: Propagation) -> str | None:
+    """Why a part of a subclass weight that scales a partial sum (the per-output-row scales
+    of a row-parallel integer matmul) is whole; None if it scales none."""
+    reader = next(iter(_readers(node)), None)
+    if reader is None or not isinstance(state.placements.get(reader), Partial):
+        return None
+    return (f"scales {reader.name}'s partial sum, one scale per output feature: a row-parallel "
+            "matmul's output features are whole on every rank")
 
 
 def _whole_dequantized(reader: fx.Node, state: Propagation, cut: list[str]) -> str:

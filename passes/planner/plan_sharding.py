@@ -44,8 +44,10 @@ def plan_sharding(cap: Capture, world_size: int,
     if world_size < 1:
         raise TPCompileError(f"world_size must be >= 1, got {world_size}")
     gm = cap.gm
+    # an inference-only capture refuses every call a backward could follow: no value needs grad
+    needs_grad = frozenset() if cap.inference_only else frozenset(values_with_grad(gm, cap.trainable))
     constraints = Constraints(cap.params, options, seq_len=_sequence_length(cap, options),
-                              needs_grad=frozenset(values_with_grad(gm, cap.trainable)))
+                              needs_grad=needs_grad)
     no_rule: dict[fx.Node, str] = {}
     for _ in range(MAX_ROUNDS):
         state = propagate(gm, world_size, constraints)

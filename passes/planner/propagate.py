@@ -26,7 +26,7 @@ from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replic
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import shape, sub_layout, val
 from tpcompile.passes.planner.experts import choose_column, place_experts
-from tpcompile.passes.planner.quantized import dequantized_weight
+from tpcompile.passes.planner.quantized import dequantized_weight, stored_behind
 from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,10 @@ class OpView:
         self.options = constraints.options
         self._demands = constraints.demands
         self.required: dict[fx.Node, object] = {}
+        # a max / min partial reads as itself only in rules that know it (their ``extremal``);
+        # every other rule reads it reduced
+        rule = rule_for(node)
+        self.reads_extrema = rule is not None and rule.extremal
 
     def is_tensor(self, arg) -> bool:
         return _is_tensor(arg)
@@ -101,10 +105,23 @@ class OpView:
         A partial sum the planner decided to reduce early reads as replicated everywhere.
         """
         p = self._produced(arg)
-        if isinstance(p, Partial) and arg.name in self.constraints.reduce_early:
+        if isinstance(p, Replicate) and (cut := self._stored_cut(arg)) is not None:
+            self.required[arg] = cut
+            return cut
+        if isinstance(p, Partial) and (arg.name in self.constraints.reduce_early
+                                       or (p.reduce != "sum" and not self.reads_extrema)):
             self.required.setdefault(arg, Replicate())
             return Replicate()
         return p
+
+    def _stored_cut(self, arg) -> Shard | None:
+        """The cut an integer matmul already asked of ``arg``, a view of quantized storage
+        (``qdata.t()``): its other readers (the column sums of torchao's zero-point trick)
+        read the same cut, so the storage is stored cut once."""
+        if not isinstance(arg, fx.Node) or stored_behind(arg) is None:
+            return None
+        return next((c for u in arg.users if isinstance(c := self._state.conversions.get((arg, u)), Shard)),
+                    None)
 
     def _produced(self, arg):
         p = self._state.placements.get(arg) if isinstance(arg, fx.Node) else None
@@ -234,6 +251,8 @@ class OpView:
         (:mod:`tpcompile.passes.planner.quantized`): where a column-parallel root may start.
         A matmul may also read a piece of a parameter split along a dim (:func:`piece_of`);
         ``root_layout`` then cuts that piece as its part of the parameter's root."""
+        if isinstance(arg, fx.Node) and (stored := stored_behind(arg)) is not None:
+            return stored
         piece = piece_of(arg) if isinstance(arg, fx.Node) else None
         node = piece[0] if piece is not None and len(arg.users) == 1 else arg
         while isinstance(node, fx.Node) and not self.is_param(node):
@@ -340,7 +359,7 @@ def same_placement(specs: Specs, a, b) -> bool:
     """``a`` and ``b`` place a value alike: the same dim of the same cut, or the same kind."""
     if isinstance(a, Shard) and isinstance(b, Shard):
         return a.dim == b.dim and specs.same(a.layout, b.layout)
-    return type(a) is type(b) and not isinstance(a, Shard)
+    return a == b and not isinstance(a, Shard)
 
 
 def propagate(gm: fx.GraphModule, world_size: int, constraints: Constraints) -> Propagation:

@@ -18,7 +18,7 @@ from torch import fx
 from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.rules import is_param_matmul, is_view
 
-__all__ = ["is_quantized_storage", "stored_inputs", "dequantized_weight", "dequantized_readers", "quantized_weights",
+__all__ = ["is_quantized_storage", "stored_behind", "stored_inputs", "dequantized_weight", "dequantized_readers", "quantized_weights",
            "undequantized_reason", "weight_targets"]
 
 # a dequantization is a short computation: the search behind a matmul operand gives up past
@@ -56,6 +56,15 @@ def is_quantized_storage(node: fx.Node) -> bool:
     if not isinstance(v, torch.Tensor) or v.is_complex():
         return False
     return not v.is_floating_point() or v.element_size() == 1
+
+
+def stored_behind(node: fx.Node) -> fx.Node | None:
+    """The quantized storage ``node`` is, or is a view of (``qdata.t()``): the weight of an
+    integer matmul that reads it as stored (dynamic activation quantization; the bias its
+    zero-point trick needs sums the same view, so the view may have two users); else None."""
+    while is_view(node):
+        node = node.args[0]
+    return node if node.op == "get_attr" and is_quantized_storage(node) else None
 
 
 def dequantized_weight(node: fx.Node) -> fx.Node | None:

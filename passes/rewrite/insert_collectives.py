@@ -1,7 +1,8 @@
 """Insert the plan's conversions and gradient syncs into one rank's graph.
 
 * Each conversion ``(value, user) -> placement`` becomes the ops that produce it: an all-reduce
-  (Partial -> Replicate, Megatron *g*), an all-gather (Shard -> Replicate), local slices
+  (Partial -> Replicate, Megatron *g*; by max or min for a partial extremum, through which no
+  gradient flows), an all-gather (Shard -> Replicate), local slices
   (Replicate -> Shard: no communication), or ``zero_summand`` (Replicate -> Partial, a carried
   sum's replicated operand: the value on rank 0, zeros elsewhere, its gradient whole). Users
   that need the same value in the same placement share one conversion, so a value feeding q,
@@ -55,6 +56,11 @@ class _Converter:
         g, ws = self.g, self.plan.world_size
         if _symbolic_tiles(src) or _symbolic_tiles(dst):
             return self._convert_tiles(x, src, dst, sum_grads)
+        if isinstance(src, Partial) and src.reduce != "sum":  # each rank's max (min) candidate
+            x = g.call_function(C.plain_all_reduce, (x, self.group, src.reduce))
+            if dst == Replicate():
+                return x
+            src = Replicate()
         if isinstance(src, Partial) and isinstance(dst, Shard):
             width, index, mine, _ = gather_args(self.specs, dst.layout, self.rank, ws)
             return g.call_function(C.reduce_scatter, (x, dst.dim, width, index, mine, ws, self.group))

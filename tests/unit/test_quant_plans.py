@@ -6,8 +6,9 @@ it, the forward paying 2 all-reduces per layer, and each rank storing 1/N of eve
 weight and of the int4 scales and zeros (column-parallel: its rows; row-parallel: whole
 groups of the input dim). torchao 0.18's weight-only configs (int8, int4 in groups, float8)
 on a tiny Hugging Face Llama are planned like its float model; its dynamic-activation configs
-are inference only, their weights whole and named. Numerics on gloo ranks:
-``tests/gloo/test_quant.py``.
+are inference only and cut alike, each row-parallel matmul's input row scaled after one
+all-reduce by max (two, min and max, for an asymmetric scale), at the bound derived from the
+model. Numerics on gloo ranks: ``tests/gloo/test_quant.py``.
 """
 
 from __future__ import annotations
@@ -209,12 +210,20 @@ def test_intx_groups_a_rank_would_split_keep_the_weight_whole_and_say_so():
     assert _verdict(report).strip().startswith("-> above the bound: ")
 
 
+# a row-parallel matmul's activations, quantized per token over their cut row: their extremum
+# all-reduced (int8 symmetric: max |x|, one; intx asymmetric: min and max, two) + its sum
+DYNAMIC_FORWARD = {"int8_dynamic_int8": 2 * (1 + 1), "int8_dynamic_intx": 2 * (2 + 1)}
+
+
 @pytest.mark.parametrize("name", ["int8_dynamic_int8", "int8_dynamic_intx"])
-def test_dynamic_activation_configs_are_inference_only_whole_and_named(name):
+def test_dynamic_activation_configs_are_inference_only_and_cut_like_the_float_model(name):
     """torchao's dynamic activation quantization rounds through a straight-through autograd
     Function: refused for training, planned under no_grad (or frozen) with every quantized
-    weight whole, each with the op that reads it, all counted in the bytes."""
+    weight cut as the float one (a row-parallel weight's per-row scales whole, named), the
+    scale of a cut row all-reduced by max / min, at the bound, every part judged and counted."""
     pytest.importorskip("torchao")
+    from zoo.hf_models import hf_causal_lm
+
     trainable, ids = _torchao_llama(name, frozen=False)
     with pytest.raises(CaptureError, match="_Round is a custom torch.autograd.Function"):
         _report(trainable, (ids,), 2)
@@ -222,9 +231,16 @@ def test_dynamic_activation_configs_are_inference_only_whole_and_named(name):
         report = _report(trainable, (ids,), 2)
     _, plan = plan_model(trainable.requires_grad_(False), (ids,), 2)  # frozen: grad mode aside
     assert plan.inference_only.startswith("inference only: the forward applies custom autograd")
-    parts = {n: p for n, p in report.params.items() if n.rpartition(".")[2].startswith("weight_")}
-    assert parts and all(p.style == "replicate" and p.quantized for p in parts.values())
-    qdata = [p.reason for n, p in parts.items() if n.endswith("_qdata")]
-    assert all(" reads as stored" in r or "would all-gather where" in r for r in qdata), qdata
+    plain = _report(hf_causal_lm("llama").eval().requires_grad_(False), (ids,), 2)
+    for fqn, want in plain.params.items():
+        if not fqn.endswith(".weight") or ".layers." not in fqn or "norm" in fqn:
+            continue
+        got = report.params[fqn.removesuffix(".weight") + ".weight_qdata"]
+        assert (got.style, got.dim) == (want.style, want.dim), fqn
+    whole = {n: p.reason for n, p in report.params.items()
+             if n.rpartition(".")[2].startswith("weight_") and p.style == "replicate"}
+    assert all(n.endswith("_scale") and ("o_proj" in n or "down_proj" in n) for n in whole), whole
+    assert all("partial sum, one scale per output feature" in r for r in whole.values()), whole
+    assert _forward(report) == {"all_reduce": DYNAMIC_FORWARD[name] * N_LAYERS}
+    assert _verdict(report).strip().startswith("-> at the bound") and "not judged" not in _verdict(report)
     assert report.param_bytes_total == _float_bytes(trainable) + _part_bytes(report, trainable)
-    assert "at the bound" not in _verdict(report) or "not judged" in _verdict(report)

@@ -48,10 +48,15 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Partial:
-    """Every rank holds a summand; the tensor is the sum over ranks."""
+    """Every rank holds a summand; the tensor is the sum over ranks. ``reduce="max"`` (or
+    ``"min"``): every rank holds a candidate, the tensor is their maximum (a max over a cut
+    dim before its all-reduce, :mod:`tpcompile.passes.planner.rules.extrema`); only the ops
+    that know it read such a partial without reducing it first."""
+
+    reduce: str = "sum"
 
     def __str__(self) -> str:
-        return "P"
+        return "P" if self.reduce == "sum" else f"P({self.reduce})"
 
 
 @dataclass(frozen=True)

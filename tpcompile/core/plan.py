@@ -34,7 +34,9 @@ def placement_from_json(obj):
         return None
     if isinstance(obj, dict):
         return Shard(obj["shard"], Layout(**obj["layout"]))
-    return Replicate() if obj == "R" else Partial()
+    if obj == "R":
+        return Replicate()
+    return Partial(obj[2:-1]) if obj.startswith("P(") else Partial()
 
 
 EXPERT_MODES = ("tensor", "expert", "auto")

@@ -73,7 +73,7 @@ from tpcompile.inspect.bound_graph import (
 )
 from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.chain_cost import batch_of, chain_cost, cost_device, per_sample_rows
-from tpcompile.passes.planner.quantized import is_quantized_storage, weight_targets
+from tpcompile.passes.planner.quantized import is_quantized_storage, stored_inputs, weight_targets
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
 
@@ -275,7 +275,8 @@ def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
 def _undequantized(cap: Capture, found: list[Matmul]) -> list[str]:
     """Quantized data of subclass weights that no matmul of a float weight reads (an integer
     matmul of dynamically quantized activations): not judged, each named."""
-    judged = {w for m in found for w in m.weights}
+    judged = {leaf.target for m in found for a in m.node.all_input_nodes if a is not m.activation
+              for leaf in (stored_inputs(a) or ([], []))[0]}
     return [f"{n.target}: quantized data its matmul reads as stored, with activations "
             "quantized per token (no float weight the bound knows)"
             for n in cap.gm.graph.find_nodes(op="get_attr")
@@ -294,7 +295,9 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
     for m in mms:
         by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
     styles, reasons, blocks, whole_part = {}, {}, {}, {}
-    carriers = grad_carriers(cap.gm, cap.trainable)  # inputs whose gradient anything asks
+    # an inference-only capture (custom autograd Functions under no_grad) runs no backward
+    trainable = frozenset() if cap.inference_only else cap.trainable
+    carriers = grad_carriers(cap.gm, trainable)  # inputs whose gradient anything asks
     for layer, group in by_layer.items():
         if not layer and len(by_layer) > 1:  # around the blocks: embeddings, heads
             for m in group:
@@ -313,7 +316,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
                 styles[b] = "colwise" if style == "colwise" else "whole"
                 if styles[b] == "whole":
                     reasons[b] = why.get(m.node, "a row-parallel matmul's bias is added after the sum")
-        blocks[layer] = _block(layer, group, role, cap.trainable, world_size, carriers)
+        blocks[layer] = _block(layer, group, role, trainable, world_size, carriers)
         for m in group:
             rows = whole_rows(m, world_size) if role[m.node] == "colwise" else 0
             for w in m.weights + m.biases if rows else ():

@@ -33,7 +33,8 @@ __all__ = ["Matmul", "find_matmuls", "grad_carriers", "reach_forward", "reduce_p
 
 aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
-_SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+_SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor,
+         aten.div.Tensor,
          aten.neg.default, aten.index.Tensor, aten.index_add.default, aten.index_put.default,
          aten.scatter_add.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
          aten.sum.dim_IntList}
@@ -49,8 +50,11 @@ _UNARY = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.
 # ops that only look at a value (export's dtype and device checks): no use of it
 _CHECKS = {aten._assert_tensor_metadata.default}
 _SINK = "sink"  # where reduce_points' paths end
+# extrema, and the ops through which an extremum stays one (rules/extrema.py plans alike)
+_EXTREMA = {aten.amax.default, aten.amin.default}
+_KEEP_EXTREMA = {aten.maximum.default, aten.minimum.default, aten.neg.default}
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
-               aten.linalg_vector_norm.default, aten.amax.default}
+               aten.linalg_vector_norm.default, aten.amax.default, aten.amin.default}
 
 
 @dataclass
@@ -130,7 +134,11 @@ def _nearest(m: Matmul, by_node: dict, layer: str, up: bool) -> list[fx.Node]:
         if other is not None:
             found.append(n)
             continue
-        todo.extend(n.all_input_nodes if up else n.users)
+        if up and _statistic(n):
+            continue  # whole after its all-reduce: a per-token scale reads no cut onward
+        # a size read (``sym_size`` of another value, for a view's shape) carries no data
+        todo.extend([a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+                    if up else n.users)
     return found
 
 
@@ -221,6 +229,11 @@ def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | No
     return tuple(out)
 
 
+def _statistic(n: fx.Node) -> bool:
+    """A reduction over the features of its input (a norm's mean, a quantization's max)."""
+    return n.target in _STATISTICS and _last(n) != _last(n.args[0])
+
+
 def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
     """Reductions over every output feature of ``m`` or of one of its pieces (a norm over the
     whole projection, not per head; Mamba-2's gated norm over its z piece), reached through
@@ -240,8 +253,37 @@ def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
                 or n.target is aten.pow.Tensor_Scalar or _value_operand(n) is not None:
             if _value_operand(n) is not None and len(dims := _sizes(n)) == 4:
                 widths.add((dims[1] or 0) * (dims[3] or 0))  # (B, heads, T, D) -> heads x D
-            todo.extend(u for u in n.users if _value_operand(u) in (None, n))
-    return tuple(out)
+            # attention's output is cut by heads from its value or its query (whole kv heads
+            # under GQA with fewer kv heads than ranks)
+            todo.extend(u for u in n.users if _value_operand(u) in (None, n)
+                        or (is_attention(u) and u.args[0] is n))
+    return tuple(_one_per_meeting(out))
+
+
+def _one_per_meeting(stats: list[fx.Node]) -> list[fx.Node]:
+    """The statistics, extrema whose results meet through ``maximum`` / ``minimum`` / ``neg``
+    before any other use counted once (a symmetric quantization scale: ``max(-min(amin, 0),
+    max(amax, 0))``, the largest magnitude: one all-reduce by max); a min and a max used
+    apart (an asymmetric scale and zero point) are two."""
+    out, met = [], []
+    for n in stats:
+        reach = _extremum_reach(n) if n.target in _EXTREMA else set()
+        if reach & set().union(*met):
+            continue
+        out.append(n)
+        met.append(reach)
+    return out
+
+
+def _extremum_reach(node: fx.Node) -> set:
+    """The ops an extremum passes through as an extremum (``maximum`` of it and zeros...)."""
+    seen, todo = set(), [u for u in node.users if u.target in _KEEP_EXTREMA]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(u for u in n.users if u.target in _KEEP_EXTREMA)
+    return seen
 
 
 def _value_operand(n: fx.Node) -> fx.Node | None:

@@ -265,6 +265,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_siz
 # other communicating ops (tpcompile.runtime.vocab) register theirs here too
 COLLECTIVE_FNS = {
     all_reduce: (("all_reduce",), ()),
+    plain_all_reduce: (("all_reduce",), ()),  # a max / min partial's (no gradient flows)
     copy_to_region: ((), ("all_reduce",)),
     copy_all_to_region: ((), ("all_reduce",)),
     sync_grad_pieces: ((), ("all_reduce",)),

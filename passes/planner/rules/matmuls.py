@@ -59,12 +59,26 @@ def _matmul_labels(sa, sb):
     return a, b, out
 
 
-@register(aten.matmul.default, aten.mm.default, aten.bmm.default, matmul=True,
-          flops=contraction_flops(0))
-def _matmul(op):
-    x, w = op.node.args[0], op.node.args[1]
+def _matmul_of(op, x, w):
     a, b, out = _matmul_labels(shape(x), shape(w))
     return einsum_rule(op, [(x, a), (w, b)], out, linear="mul", matmul=True)
+
+
+# ``_int_mm``: int8 operands, int32 sums (exact, so a partial sum of them is one)
+@register(aten.matmul.default, aten.mm.default, aten.bmm.default, aten._int_mm.default, matmul=True,
+          flops=contraction_flops(0))
+def _matmul(op):
+    return _matmul_of(op, op.node.args[0], op.node.args[1])
+
+
+@register(torch.ops.higher_order.out_dtype, matmul=True, flops=contraction_flops(2))
+def _out_dtype(op):
+    """``out_dtype(mm, int32, x, w)``: torchao's integer matmul off the CPU (int8 operands
+    summed in int32, exactly), planned as the matmul it wraps; any other wrapped op whole."""
+    inner, _, *operands = op.node.args
+    if inner not in (aten.mm.default, aten.matmul.default, aten.bmm.default) or len(operands) != 2:
+        return replicate_all(op)
+    return _matmul_of(op, *operands)
 
 
 def _einsum_labels(equation: str, operands: list) -> tuple[list, list]:

@@ -21,7 +21,8 @@ from tpcompile.passes.planner.rules.writes import in_place
 aten = torch.ops.aten
 
 
-def _pointwise(linear):
+def pointwise_rule(linear):
+    """The rule of an elementwise op; ``linear`` as in :func:`einsum_rule`."""
     def propagate(op):
         out = shape(op.node)
         tensors = kept = tensor_args(op.node)
@@ -56,7 +57,7 @@ def _carried_sum(op, tensors):
 
 
 UNARY_LINEAR = [
-    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
+    aten.clone.default, aten.contiguous.default, aten.detach.default,
     aten.mul.Scalar, aten.div.Scalar, aten.lift_fresh_copy.default,
 ]
 POINTWISE = [
@@ -67,12 +68,11 @@ POINTWISE = [
     aten.bitwise_not.default, aten.abs.default, aten.erf.default, aten.reciprocal.default,
     aten.softplus.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default,
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
-    aten.logical_not.default, aten.clamp.default, aten.ones_like.default,
-    aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
+    aten.logical_not.default, aten.clamp.default,
 ]
-register(*UNARY_LINEAR, elementwise=True)(_pointwise("unary"))
+register(*UNARY_LINEAR, elementwise=True)(pointwise_rule("unary"))
 # rule_for_target: any other op torch tags pointwise (and not random)
-TAGGED[torch.Tag.pointwise] = Rule(_pointwise(None), elementwise=True)
+TAGGED[torch.Tag.pointwise] = Rule(pointwise_rule(None), elementwise=True)
 
 
 @register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
@@ -96,17 +96,17 @@ def _localize_dropout(node, local):
             x, prob, train, p.dim, p.layout.size, list(local.specs.ranges(p.layout)[local.rank])))
 
 
-register(aten.dropout.default, localize=_localize_dropout)(_pointwise("unary"))
-register(*POINTWISE, elementwise=True)(_pointwise(None))
+register(aten.dropout.default, localize=_localize_dropout)(pointwise_rule("unary"))
+register(*POINTWISE, elementwise=True)(pointwise_rule(None))
 # bit twiddling of integer tensors (unpacking quantized weights); torch tags some of them
 # pointwise, not the ``&`` / ``|`` ones
 register(aten.__and__.Scalar, aten.bitwise_and.Scalar, aten.__or__.Scalar, aten.bitwise_or.Scalar,
          aten.__rshift__.Scalar, aten.bitwise_right_shift.Tensor_Scalar, aten.__lshift__.Scalar,
-         aten.bitwise_left_shift.Tensor_Scalar, elementwise=True)(_pointwise(None))
+         aten.bitwise_left_shift.Tensor_Scalar, elementwise=True)(pointwise_rule(None))
 # sums: a replicated operand may enter as rank 0's share of a partial sum (carried_sums)
 register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub, elementwise=True,
-         sums=True)(_pointwise("add"))
-register(aten.mul.Tensor, operator.mul, elementwise=True)(_pointwise("mul"))
+         sums=True)(pointwise_rule("add"))
+register(aten.mul.Tensor, operator.mul, elementwise=True)(pointwise_rule("mul"))
 
 
 @register(aten.div.Tensor, operator.truediv)
@@ -114,7 +114,7 @@ def _divide(op):
     """Linear in the dividend only: a partial divisor is reduced first."""
     divisor = op.node.args[1]
     partial = isinstance(divisor, fx.Node) and isinstance(op.placement(divisor), Partial)
-    return _pointwise(None if partial else "mul")(op)
+    return pointwise_rule(None if partial else "mul")(op)
 
 
 IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it follows
@@ -123,7 +123,7 @@ IN_PLACE = {  # in-place overload -> the out-of-place overload whose rule it fol
     aten.sigmoid_.default: aten.sigmoid.default, aten.hardtanh_.default: aten.hardtanh.default,
     aten.leaky_relu_.default: aten.leaky_relu.default, aten.elu_.default: aten.elu.default,
     aten.clamp_.default: aten.clamp.default, aten.exp_.default: aten.exp.default,
-    aten.neg_.default: aten.neg.default, aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+    aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
     aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar,
     aten.sub_.Tensor: aten.sub.Tensor, aten.sub_.Scalar: aten.sub.Scalar,
     aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,

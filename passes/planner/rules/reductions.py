@@ -17,7 +17,7 @@ from tpcompile.passes.planner.rules.einsum import tensor_args, einsum_rule
 aten = torch.ops.aten
 
 
-def _reduced_dims(node, at: int = 1) -> tuple[list[int], bool]:
+def reduced_dims(node, at: int = 1) -> tuple[list[int], bool]:
     """The dims a reduction ``op(x, dims, keepdim)`` folds (all of them when none are named);
     ``at``: the position of ``dims`` (``linalg_vector_norm(x, ord, dims, keepdim)``: 2)."""
     n = len(shape(node.args[0]))
@@ -28,17 +28,17 @@ def _reduced_dims(node, at: int = 1) -> tuple[list[int], bool]:
     return sorted({norm_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}), keepdim
 
 
-def _reduce(linear, statistic=False, at=1):
+def reduction_rule(linear, statistic=False, at=1):
     """A reduction over some dims. ``linear``: a shard of a reduced dim gives a partial sum.
 
     ``statistic``: that partial sum is a per-token statistic (a norm's mean of squares), whose
     all-reduce the planner accepts only in a region that is otherwise Megatron's (the
     refinement ``dead_regions``): a norm over the residual stream must still end a region.
-    ``at``: as in :func:`_reduced_dims`."""
+    ``at``: as in :func:`reduced_dims`."""
     def propagate(op):
         x = op.node.args[0]
         n = len(shape(x))
-        reduced, keepdim = _reduced_dims(op.node, at)
+        reduced, keepdim = reduced_dims(op.node, at)
         out = [d if (d not in reduced or keepdim) else None for d in range(n)]
         labels = [f"r{d}" if d in reduced else d for d in range(n)]
         result = einsum_rule(op, [(x, labels)], [o for o in out if o is not None] if not keepdim
@@ -51,7 +51,7 @@ def _reduce(linear, statistic=False, at=1):
 
 def _localize_mean(node, local):
     """A mean over a sharded dim: this rank's sum over the whole dims' size (its Partial term)."""
-    dims, keepdim = _reduced_dims(node)
+    dims, keepdim = reduced_dims(node)
     if not any(local.input_sharded_on(node, d) for d in dims):
         return
     whole = math.prod(int(shape(node.args[0])[d]) for d in dims)
@@ -59,10 +59,10 @@ def _localize_mean(node, local):
     node.kwargs = {}
 
 
-register(aten.sum.dim_IntList, aten.sum.default)(_reduce("mul"))
-register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(_reduce("mul", statistic=True))
-register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
-         aten.argmax.default)(_reduce(None))
+register(aten.sum.dim_IntList, aten.sum.default)(reduction_rule("mul"))
+register(aten.mean.dim, aten.mean.default, localize=_localize_mean)(reduction_rule("mul", statistic=True))
+register(aten.var.correction, aten.std.correction,
+         aten.argmax.default)(reduction_rule(None))
 
 
 def _vector_norm(op):
@@ -74,11 +74,11 @@ def _vector_norm(op):
     x = op.node.args[0]
     p = op.placement(x)
     order = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("ord", 2)
-    reduced, _ = _reduced_dims(op.node, at=2)
+    reduced, _ = reduced_dims(op.node, at=2)
     if (isinstance(p, Shard) and p.dim in reduced and not op.specs.is_full(p.layout)
             and math.isfinite(order) and order > 0):
         op.decompose(f"{op.node.name} is a vector norm over the sharded dim {p.dim}")
-    return _reduce(None, at=2)(op)
+    return reduction_rule(None, at=2)(op)
 
 
 def _norm_as_mean(x, ord=2, dim=None, keepdim=False, *, dtype=None):

@@ -63,6 +63,9 @@ class Rule:
       (``add``, ``sub``): a replicated operand may enter it as rank 0's share of a partial sum
       (zeros on the other ranks), so a sum of row-parallel outputs and a residual stays
       partial and is reduced once (:mod:`tpcompile.passes.planner.refine.carried_sums`).
+    - ``extremal``: it reads a max / min partial (``Partial("max")``) as it is, passing it on
+      where the max commutes with the op (:mod:`.extrema`); every other rule reads such a
+      partial all-reduced first.
     """
     propagate: Callable
     localize: Callable | None = None
@@ -79,6 +82,7 @@ class Rule:
     flops: Callable | None = None
     keeps_zeros: bool = False
     sums: bool = False
+    extremal: bool = False
 
 
 RULES: dict = {}
