@@ -18,7 +18,7 @@ sample has one):
   bandwidth``.
 
 The chain is kept whole when the cost is not below the saving. Rates, latency and bandwidth come
-from the planner's one device table (:data:`~tpcompile.passes.planner.expert_cost.DEVICES`);
+from the planner's rates in the one device table (:mod:`~tpcompile.passes.planner.devices`);
 ``PlanOptions.chain_cost`` names the device (default ``"cuda"``: an H100-class GPU with NVLink,
 where plans are deployed whatever device they are made on) or ``"off"``.
 """
@@ -33,7 +33,7 @@ from torch import fx
 
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.expert_cost import DEVICES, Device
+from tpcompile.passes.planner.devices import RATED, Device
 from tpcompile.passes.planner.rules import is_view
 
 __all__ = ["SAMPLES", "TOKENS", "ChainCost", "batch_of", "chain_cost", "cost_device", "operands",
@@ -47,10 +47,10 @@ def cost_device(name: str) -> Device | None:
     """The device a plan option names, None for ``"off"``; a named refusal otherwise."""
     if name == "off":
         return None
-    if name not in DEVICES:
+    if name not in RATED:
         raise TPCompileError(f"chain_cost must be 'off' or a device of the planner's table "
-                             f"({', '.join(sorted(DEVICES))}), got {name!r}")
-    return DEVICES[name]
+                             f"({', '.join(sorted(RATED))}), got {name!r}")
+    return RATED[name]
 
 
 def _sizes(node: fx.Node) -> tuple[int | None, ...]:
