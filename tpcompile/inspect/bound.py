@@ -2,7 +2,7 @@
 
 The bound is computed from the captured graph before planning, never from tpcompile's plan,
 so a weight the planner leaves whole cannot shrink it. Definition, per repeated block (the
-module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.layer_of`):
+module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths.block_path`):
 
 * A *matmul* is a node the rule table marks ``matmul`` with one operand computed from stored
   tensors only (a parameter, its views, a quantized weight's dequantization); its *weight* is
@@ -66,8 +66,8 @@ judge another graph: the rule table's fields ``matmul`` (which ops are matmuls,
 ``is_param_matmul``), ``view`` (which ops only re-index a value, ``is_view``) and
 ``attention`` (``is_attention``), and the fresh buffers ``writes.any_placement`` names (no use
 of a value); which stored tensors make a quantized weight
-(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in (the chain
-report's :func:`~tpcompile.inspect.chains.layer_of`); and the cost rule's chain and price
+(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in (:mod:`tpcompile.core.block_paths`, the chain
+report's answer too); and the cost rule's chain and price
 (:mod:`tpcompile.passes.planner.chain_cost`), a stated model the bound must not price
 differently. Its own are the op sets of :mod:`tpcompile.inspect.bound_graph` (ops that keep a
 partial sum a sum, join sums, cut a value into pieces, keep features apart, take a statistic
@@ -82,12 +82,12 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound_graph import (
     Matmul, find_matmuls, grad_carriers, reach_forward, reduce_points, value_bytes, value_users,
     whole_read,
 )
-from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
 from tpcompile.passes.planner.quantized import is_quantized_storage, weight_targets
 
@@ -309,7 +309,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
                  if m not in mms for w in m.weights] + _undequantized(cap, found)
     by_layer: dict[str, list[Matmul]] = {}
     for m in mms:
-        by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
+        by_layer.setdefault(block_path(module_path(m.node)), []).append(m)
     styles, reasons, blocks, whole_part = {}, {}, {}, {}
     carriers = grad_carriers(cap.gm, cap.trainable)  # inputs whose gradient anything asks
     for layer, group in by_layer.items():
