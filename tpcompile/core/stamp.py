@@ -14,7 +14,8 @@ a ``layer_idx`` is no difference; blocks that alternate, such as sliding and ful
 layers, are repeated as groups of one period: three groups exported, group 2 stamped).
 Otherwise, or when the blocks' nodes are interleaved or their graphs differ, the whole model
 is captured and the plan's notes say why; the capture's ``reused`` names the block list and
-its length only when blocks were reused. A model without a list of at least :data:`MIN_BLOCKS` blocks is captured whole.
+its length only when blocks were reused. A model without a list of at least
+:data:`MIN_BLOCKS` blocks is captured whole.
 """
 
 from __future__ import annotations

@@ -66,10 +66,10 @@ judge another graph: the rule table's fields ``matmul`` (which ops are matmuls,
 ``is_param_matmul``), ``view`` (which ops only re-index a value, ``is_view``) and
 ``attention`` (``is_attention``), and the fresh buffers ``writes.any_placement`` names (no use
 of a value); which stored tensors make a quantized weight
-(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in (:mod:`tpcompile.core.block_paths`, the chain
-report's answer too); and the cost rule's chain and price
-(:mod:`tpcompile.passes.planner.chain_cost`), a stated model the bound must not price
-differently. Its own are the op sets of :mod:`tpcompile.inspect.bound_graph` (ops that keep a
+(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in
+(:mod:`tpcompile.core.block_paths`, the chain report's answer too); and the cost rule's chain
+and price (:mod:`tpcompile.passes.planner.chain_cost`), a stated model the bound must not
+price differently. Its own are the op sets of :mod:`tpcompile.inspect.bound_graph` (ops that keep a
 partial sum a sum, join sums, cut a value into pieces, keep features apart, take a statistic
 over features; ``topk`` as a router) and the styles above: those are what the rule table's
 ``propagate`` functions decide, and an oracle that read them would inherit a rule's mistake

@@ -10,10 +10,11 @@ A *region* here is one call of a repeated block, outlined: the outermost block w
 node runs in (:func:`~tpcompile.core.block_paths.block_of`), counting only the items of a
 module list (their paths end in an index) whose class the graph calls at two or more such
 paths (``layers.0``, ``layers.1``, ... of ``LlamaBlock``). Nodes the rewrite inserted
-(collectives) carry no stack and join the region of their first input. Two regions share one body when their nodes, in
-order, have the same ops, targets, constant arguments, wiring and tensor metadata; every value
-from outside (parameters, activations, sizes) becomes an argument, so the weights of block i
-are inputs of the shared body rather than constants of it. A region that is not a contiguous
+(collectives) carry no stack and join the region of their first input. Two regions share
+one body when their nodes, in order, have the same ops, targets, constant arguments, wiring
+and tensor metadata; every value from outside (parameters, activations, sizes) becomes an
+argument, so the weights of block i are inputs of the shared body rather than constants of
+it. A region that is not a contiguous
 run of nodes, or has no twin, stays inline: the result is always the same computation.
 
 The flat graph stays :attr:`TPModule.graph_module` (what eager calls and the inspection tools

@@ -5,8 +5,8 @@ A grouped matmul (``_grouped_mm(x, w, offs)``: Mixtral, Qwen3-MoE and OLMoE in t
 the planner plans its experts as a column -> row chain (``w_up`` cut on its features, the
 activation between sharded alike, ``w_down``'s product a partial sum all-reduced once), and
 the grouped rule records when whole experts are asked (``"rows"``,
-:func:`tpcompile.passes.planner.experts.placement.grouped_mode`). This step then moves that chain onto
-the expert dim, keeping its collectives:
+:func:`tpcompile.passes.planner.experts.placement.grouped_mode`). This step then moves that
+chain onto the expert dim, keeping its collectives:
 
 - every weight of the chain is cut on dim 0 into whole experts (``RootSpec``'s blocks: the
   first ranks take one more when the count does not divide);
