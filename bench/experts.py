@@ -10,7 +10,7 @@ experts 256 wide, top-8) and coarse (8 experts 1024 wide, top-2), each paralleli
 round, so load from other jobs on a shared machine falls on both. Per row: each cut's median
 step time (the slowest rank's per round) with its quartiles; the expert weights' bytes on the
 largest rank; the collectives one step issues; the cost model's estimate for both cuts
-(``passes/planner/expert_cost.py``, CPU constants); the median per-round difference, whose
+(``passes/planner/experts/cost.py``, CPU constants); the median per-round difference, whose
 sign is the measured faster cut, and the half-width of its 95% interval (``1.57 x IQR /
 sqrt(rounds)``, a box plot's notch), the spread; what
 ``experts="auto"`` plans, and whether that is the faster cut (``tie`` where the margin is
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 import tpcompile
-from tpcompile.passes.planner.expert_cost import DEVICES, expert_costs
+from tpcompile.passes.planner.devices import DEVICES
+from tpcompile.passes.planner.experts.cost import expert_costs
 from tpcompile.tools.launch import run_on_ranks
 from zoo.moe_blocks import moe_block
 

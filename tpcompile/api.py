@@ -154,7 +154,8 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
                 if written_buffers(gm) or callable(getattr(model, "generate", None)) else None)
     return TPModule(gm, plan, rank, group, check_calls, checkpointed_regions=tuple(kept),
                     skeleton_capture=skeleton,  # other call signatures (decode) captured anew
-                    capture_signature=skeleton if written_buffers(gm) else None)
+                    capture_signature=skeleton if written_buffers(gm) else None,
+                    reused_blocks=planned.cap.reused)
 
 
 def _agreed_rank_graph(model: nn.Module, example_inputs, example_kwargs, group,

@@ -18,7 +18,7 @@ sample has one):
   bandwidth``.
 
 The chain is kept whole when the cost is not below the saving. Rates, latency and bandwidth come
-from the planner's one device table (:data:`~tpcompile.passes.planner.expert_cost.DEVICES`);
+from the planner's rates in the one device table (:mod:`~tpcompile.passes.planner.devices`);
 ``PlanOptions.chain_cost`` names the device (default ``"cuda"``: an H100-class GPU with NVLink,
 where plans are deployed whatever device they are made on) or ``"off"``.
 """
@@ -33,11 +33,11 @@ from torch import fx
 
 from tpcompile.errors import TPCompileError
 from tpcompile.passes.planner.dims import shape, val
-from tpcompile.passes.planner.expert_cost import DEVICES, Device
+from tpcompile.passes.planner.devices import RATED, Device
 from tpcompile.passes.planner.rules import is_view
 
 __all__ = ["SAMPLES", "TOKENS", "ChainCost", "batch_of", "chain_cost", "cost_device", "operands",
-           "per_sample_rows", "rows_of", "stored"]
+           "per_sample_chain", "per_sample_rows", "pricing", "rows_of", "stored"]
 
 SAMPLES = 8      # samples per step and rank at the deployment point
 TOKENS = 4096    # tokens per sample there (a 4K context; a 1024 x 1024 image's 64 x 64 patches)
@@ -47,10 +47,10 @@ def cost_device(name: str) -> Device | None:
     """The device a plan option names, None for ``"off"``; a named refusal otherwise."""
     if name == "off":
         return None
-    if name not in DEVICES:
+    if name not in RATED:
         raise TPCompileError(f"chain_cost must be 'off' or a device of the planner's table "
-                             f"({', '.join(sorted(DEVICES))}), got {name!r}")
-    return DEVICES[name]
+                             f"({', '.join(sorted(RATED))}), got {name!r}")
+    return RATED[name]
 
 
 def _sizes(node: fx.Node) -> tuple[int | None, ...]:
@@ -81,6 +81,24 @@ def per_sample_rows(node: fx.Node | None, batch: int | None) -> bool:
     """``node``'s value (a matmul's activation) has one row per sample (no token dims)."""
     rows = rows_of(node) if node is not None else None
     return batch is not None and rows is not None and rows <= batch
+
+
+def per_sample_chain(activations, batch: int | None) -> bool:
+    """What a chain the cost rule judges is: one whose column matmuls (their ``activations``)
+    each read one row per sample. The planner asks it of a region's column matmuls
+    (:mod:`~tpcompile.passes.planner.refine.unpaid_chains`), Megatron's bound of one matmul
+    (:mod:`tpcompile.inspect.bound`)."""
+    return all(per_sample_rows(a, batch) for a in activations)
+
+
+def pricing(name: str, ranks: int, gm: fx.GraphModule, activations) -> tuple[Device, int] | None:
+    """The device and batch chains are priced at, or None where none is judged: the rule is
+    ``"off"``, there is one rank, or no matmul (of ``activations``) reads token rows, so
+    nothing scales differently from the rest. A device name the table lacks is refused."""
+    device, batch = cost_device(name), batch_of(gm)
+    if device is None or ranks < 2 or per_sample_chain(activations, batch):
+        return None
+    return device, batch
 
 
 def stored(node: fx.Node) -> fx.Node | None:

@@ -18,7 +18,7 @@ from tpcompile.core.capture import Capture
 from tpcompile.core.placement import Layout, Misaligned, Partial, Replicate, Shard, Specs
 from tpcompile.core.plan import Conversion, ParamPlan, ShardingPlan
 from tpcompile.passes.planner.dims import shape, sub_layout, val
-from tpcompile.passes.planner.experts import expert_placements
+from tpcompile.passes.planner.experts.placement import expert_placements
 from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole_roots
 from tpcompile.passes.planner.propagate import (
     Constraints, Propagation, same_placement, carrier_chain, view_chain,

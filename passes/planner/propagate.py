@@ -25,7 +25,7 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import shape, sub_layout, val
-from tpcompile.passes.planner.experts import choose_column, place_experts
+from tpcompile.passes.planner.experts.placement import choose_column, grouped_mode, place_experts
 from tpcompile.passes.planner.quantized import dequantized_weight, stored_behind
 from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
 
@@ -209,7 +209,7 @@ class OpView:
         The weight is a parameter or a view of one (``w.t()``, ``w.view(...)``); its column
         label is the first of its labels the output keeps and no activation has (``n`` of
         ``linear``, ``h`` of ``einsum("btd,dh->bth")``, the expert's output dim of a ``bmm``),
-        or a stacked weight's expert dim under ``experts="expert"`` (:mod:`.experts`).
+        or a stacked weight's expert dim under ``experts="expert"`` (:mod:`.experts.placement`).
         """
         if any(not isinstance(self.placement(a), Replicate) for a, _ in operands
                if a not in assume_replicated and _is_tensor(a)):
@@ -232,9 +232,10 @@ class OpView:
                 self.require(arg, Shard(lab.index(column), layout))
         return Shard(out_labels.index(column), layout)
 
-    def place_experts(self, w, mode: str, why: str) -> None:
-        """How the stacked experts behind ``w`` are cut, and why (see :mod:`.experts`)."""
-        place_experts(self, w, mode, why)
+    def place_grouped_experts(self, w) -> None:
+        """Record how the experts of a grouped matmul's weight ``w`` are asked to be cut, and
+        why (:func:`~tpcompile.passes.planner.experts.placement.grouped_mode`)."""
+        place_experts(self, w, *grouped_mode(self, w))
 
     @property
     def experts_placed(self) -> dict:

@@ -1,6 +1,6 @@
 """Drop the work of experts another rank holds whole (looped experts under ``experts="expert"``).
 
-A looped expert handed whole to one rank (``passes/planner/looped_experts.py``) is stored on
+A looped expert handed whole to one rank (``passes/planner/experts/looped.py``) is stored on
 every other rank as 0-row placeholders. There its row-parallel product, a summand of the
 block's partial sum, multiplies an empty dim: it is zeros. This pass removes what only
 computes that zero summand: from each such matmul, the zeros are followed through products

@@ -16,7 +16,8 @@ import torch
 
 from gloo import advise_workers as w
 from tpcompile.inspect.advise import advise
-from tpcompile.inspect.costs import DEVICES, CostModel
+from tpcompile.inspect.costs import CostModel
+from tpcompile.passes.planner.devices import DEVICES
 from tpcompile.tools import models
 from tpcompile.tools.launch import run_on_ranks
 

@@ -122,7 +122,8 @@ def test_outputs_gradients_and_steps_equal_the_unsharded_model(world_size, cases
 def test_auto_picks_the_cheaper_cut_of_the_cost_model(name, world_size):
     """``experts="auto"`` on grouped matmuls: the cut :func:`expert_costs` prices lower for
     the example's routed rows (tokens x top-k) on the CPU, and the line gives both prices."""
-    from tpcompile.passes.planner.expert_cost import DEVICES, expert_costs
+    from tpcompile.passes.planner.devices import DEVICES
+    from tpcompile.passes.planner.experts.cost import expert_costs
 
     report = _report(name, world_size, "auto")
     for layer in range(2):

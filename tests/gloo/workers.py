@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import tpcompile
-from tpcompile.core.stamp import REUSED
 from tpcompile.tools import models
 from tpcompile.tools.numerics import compare, rel_err, saved_activation_bytes
 from zoo.hf_models import hf_inputs, hf_model
@@ -370,7 +369,7 @@ def _hf_case(name: str, with_labels: bool) -> dict:
                 "outputs_err": outputs_err,
                 "collectives": cmp.collectives, "styles": tp.plan.styles(),
                 "notes": tp.plan.notes, "use_cache_after": getattr(model.config, "use_cache", None),
-                "reused": tp.graph_module.meta.get(REUSED)}
+                "reused": tp.reused_blocks}
     kw["labels"] = ids.clone()
     tp = tpcompile.parallelize(model, (ids,), example_kwargs=kw, loss_parallel=True,
                                vocab_parallel=True)

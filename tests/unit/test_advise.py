@@ -11,7 +11,8 @@ import torch
 
 from tpcompile.api import plan_model
 from tpcompile.inspect.advise import SCHEMA, _repeat, advise
-from tpcompile.inspect.costs import DEVICES, CostModel, Device
+from tpcompile.inspect.costs import CostModel
+from tpcompile.passes.planner.devices import PRESETS, Device
 from tpcompile.inspect.explain import explain
 from tpcompile.tools import models
 from tpcompile.tools.cli import main
@@ -196,7 +197,7 @@ def test_cli_refuses_a_device_without_numbers(capsys):
 
 
 def test_presets_state_their_source():
-    for device in DEVICES.values():
+    for device in PRESETS.values():
         assert "datasheet" in device.source and device.bf16_flops > device.fp32_flops
 
 

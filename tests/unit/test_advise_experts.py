@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tpcompile.inspect.advise import advise
-from tpcompile.inspect.costs import DEVICES, CostModel
-from tpcompile.passes.planner.expert_cost import device_for, expert_costs
+from tpcompile.inspect.costs import CostModel
+from tpcompile.passes.planner.devices import DEVICES
+from tpcompile.passes.planner.devices import device_for
+from tpcompile.passes.planner.experts.cost import expert_costs
 from zoo.moe_blocks import moe_block
 
 # (experts, width, top-k, model width), tokens: 16 fine-grained experts of a small block

@@ -18,9 +18,8 @@ import tpcompile.passes
 # torch's own keys the passes set on nodes they make (a key copied from another node's meta
 # under the same name, ``copy.meta.setdefault(key, call.meta[key])``, is no new key)
 TORCH = {"val"}
-# the library's own: the checkpoint region mark capture puts on each node (core.checkpoint_marks),
-# and the blocks a reusing capture stamped (core.stamp), read only by tests
-MARKS = {"REGION", "REUSED"}
+# the library's own: the checkpoint region mark capture puts on each node (core.checkpoint_marks)
+MARKS = {"REGION"}
 
 
 def _key(node: ast.expr) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcompile.runtime.grouped_experts import grouped_mm_rows
+from tpcompile.runtime.routed_rows import grouped_mm_rows
 
 EXPERTS, K, N = 6, 8, 8
 COUNTS = {  # rows per expert, and rows past the last offset

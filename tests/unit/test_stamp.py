@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from tpcompile.core.plan import PlanOptions
-from tpcompile.core.stamp import REUSED
 from tpcompile.passes import pipeline
 from tpcompile.tools import models
 
@@ -26,7 +25,7 @@ def _both(model, world_size: int, **options):
 @pytest.mark.parametrize("name, options", [("llama", {}), ("gpt2", {"sequence_parallel": True})])
 def test_reused_plan_equals_the_whole_graph_plan_on_4_layers(name, options):
     whole, reused = _both(models.build(name, n_layers=4), 4, **options)
-    assert reused.cap.gm.meta[REUSED] == ("layers" if name == "llama" else "blocks", 4)
+    assert reused.cap.reused == ("layers" if name == "llama" else "blocks", 4)
     a, b = whole.plan, reused.plan
     assert list(a.params) == list(b.params)  # parameter by parameter
     for fqn in a.params:
@@ -44,7 +43,7 @@ def test_blocks_that_differ_are_captured_whole_and_the_plan_says_why():
     model.layers[3].feed_forward.w2 = nn.Linear(128, 64, bias=False)  # same shapes, ...
     model.layers[3].feed_forward.w2.extra = 1                           # ... another attribute
     whole, reused = _both(model, 2)
-    assert REUSED not in reused.cap.gm.meta
+    assert reused.cap.reused is None
     (note,) = reused.plan.notes
     assert note.startswith("layers: captured whole") and "block 3 differs from block 1 " \
         "(feed_forward.w2)" in note, note
@@ -72,7 +71,7 @@ def test_a_read_of_another_than_the_last_block_is_captured_whole():
     model, x = ReadsTheSecondToLastBlock(), (torch.randn(2, 8),)
     whole = pipeline.plan(model, x, 2, reuse_blocks=False)
     reused = pipeline.plan(model, x, 2, reuse_blocks=True)
-    assert REUSED not in reused.cap.gm.meta
+    assert reused.cap.reused is None
     assert "reads a block other than the one before it" in reused.plan.notes[0]
     assert reused.cap.gm.code == whole.cap.gm.code
 
@@ -109,7 +108,7 @@ def test_blocks_with_their_index_and_alternating_kinds_are_stamped_by_period(n, 
     four times, is captured whole with a note."""
     model, x = Stack(n, kinds), (torch.randn(2, 8),)
     whole, stamped = pipeline.plan(model, x, 2, reuse_blocks=False), pipeline.plan(model, x, 2)
-    assert (REUSED in stamped.cap.gm.meta) == reused
+    assert (stamped.cap.reused is not None) == reused
     assert stamped.cap.gm.code == whole.cap.gm.code
     assert replace(stamped.plan, notes=()).to_json() == whole.plan.to_json()
     assert bool(stamped.plan.notes) != reused
@@ -138,7 +137,7 @@ def test_a_forward_that_counts_or_indexes_its_blocks_gets_the_whole_graph(by_ind
     model; an index past the kept blocks fails that capture, and the model is captured whole."""
     model, x = Counts(by_index), (torch.randn(2, 8),)
     whole, stamped = pipeline.plan(model, x, 2, reuse_blocks=False), pipeline.plan(model, x, 2)
-    assert (REUSED in stamped.cap.gm.meta) != by_index
+    assert (stamped.cap.reused is not None) != by_index
     assert ("did not capture" in " ".join(stamped.plan.notes)) == by_index
     assert stamped.cap.gm.code == whole.cap.gm.code
     torch.testing.assert_close(stamped.cap.gm(*x), whole.cap.gm(*x), rtol=0, atol=0)
@@ -164,7 +163,7 @@ def test_a_forward_that_branches_on_its_index_is_not_stamped():
     model.layers = nn.ModuleList(Branching(i) for i in range(6))
     model.forward = lambda x: [x := layer(x) for layer in model.layers][-1]
     stamped = pipeline.plan(model, x, 2)
-    assert REUSED not in stamped.cap.gm.meta and stamped.plan.notes
+    assert stamped.cap.reused is None and stamped.plan.notes
     torch.testing.assert_close(stamped.cap.gm(*x), model(*x), rtol=0, atol=0)
 
 

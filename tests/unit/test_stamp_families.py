@@ -16,7 +16,6 @@ import pytest
 
 from bench import hf_configs
 from bench.hf_sweep import REPRESENTATIVE
-from tpcompile.core.stamp import REUSED
 from tpcompile.passes import pipeline
 
 pytest.importorskip("transformers")
@@ -55,9 +54,9 @@ def test_family_plans_byte_identically_with_and_without_block_reuse(family, monk
     assert reused.cap.gm.code == whole.cap.gm.code
     added = [n for n in reused.plan.notes if n not in whole.plan.notes]
     if family in WHOLE:
-        assert REUSED not in reused.cap.gm.meta
+        assert reused.cap.reused is None
         assert len(added) == 1 and WHOLE[family] in added[0], added
         assert replace(reused.plan, notes=whole.plan.notes).to_json() == whole.plan.to_json()
     else:
-        assert reused.cap.gm.meta[REUSED][1] == PERIODIC.get(family, LAYERS), added
+        assert reused.cap.reused[1] == PERIODIC.get(family, LAYERS), added
         assert reused.plan.to_json() == whole.plan.to_json()

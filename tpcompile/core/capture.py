@@ -68,6 +68,8 @@ class Capture:
     inference_only: str = ""
     # get_attr targets holding the parts of tensor-subclass weights (torchao's qdata, scales)
     subclass_parts: frozenset[str] = frozenset()
+    # (block list path, blocks) when core.stamp exported three blocks and repeated the rest
+    reused: tuple[str, int] | None = None
 
 
 def _as_tuple(example_inputs) -> tuple:

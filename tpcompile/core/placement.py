@@ -150,7 +150,7 @@ class Misaligned(Exception):
 class Block:
     """Root indices ``[start, stop)``: split over the ranks in whole ``unit``s, replicated on
     every rank, or (``owner``) held whole by that one rank and by no other: a looped expert
-    assigned whole (``passes/planner/looped_experts.py``)."""
+    assigned whole (``passes/planner/experts/looped.py``)."""
 
     start: int
     stop: int

@@ -55,7 +55,7 @@ class PlanOptions:
     its matmul, ``bmm`` over ``(experts, out, in)``) are cut: ``"tensor"`` splits each
     expert's matrices column -> row like any MLP; ``"expert"`` gives each rank whole experts
     (the batch dim cut), the sum over experts a partial sum all-reduced once; ``"auto"``
-    picks by a cost model (``passes/planner/experts.py``), and expert-TP under sequence
+    picks by a cost model (``passes/planner/experts/placement.py``), and expert-TP under sequence
     parallelism, whose sequence-sharded tokens whole experts cannot take without an
     all-to-all dispatch (not implemented: ``"expert"`` with it is refused).
     ``chain_cost``: the device whose constants price per-sample chains (conditioning MLPs on

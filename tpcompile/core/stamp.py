@@ -13,8 +13,9 @@ Blocks are reused only when they are identical in structure (:mod:`tpcompile.cor
 a ``layer_idx`` is no difference; blocks that alternate, such as sliding and full attention
 layers, are repeated as groups of one period: three groups exported, group 2 stamped).
 Otherwise, or when the blocks' nodes are interleaved or their graphs differ, the whole model
-is captured and the plan's notes say why; ``cap.gm.meta[REUSED]`` is set only when blocks
-were reused. A model without a list of at least :data:`MIN_BLOCKS` blocks is captured whole.
+is captured and the plan's notes say why; the capture's ``reused`` names the block list and
+its length only when blocks were reused. A model without a list of at least
+:data:`MIN_BLOCKS` blocks is captured whole.
 """
 
 from __future__ import annotations
@@ -35,9 +36,7 @@ from tpcompile.core.checkpoint_marks import REGION
 from tpcompile.core.subclass_weights import subclass_part, subclass_parts
 from tpcompile.errors import TPCompileError
 
-__all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "REUSED"]
-
-REUSED = "tpcompile_reused_blocks"  # gm.meta key: (block list path, blocks) when reused
+__all__ = ["capture_reusing_blocks", "MIN_BLOCKS"]
 
 MIN_BLOCKS = 4  # with fewer, three exported blocks save nothing
 KEEP = 3        # groups exported: the first, a middle one, and the template (group 2)
@@ -281,8 +280,9 @@ def _module(model: nn.Module, cap: Capture, graph: fx.Graph) -> fx.GraphModule:
 
 def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None, **kwargs) -> Capture:
     """:func:`~tpcompile.core.capture.capture`, exporting only three of the model's blocks
-    (or groups of blocks) when they are identical (see the module docstring); the same
-    Capture either way, with a note saying why when a block list was captured whole."""
+    (or groups of blocks) when they are identical (see the module docstring); the same graph
+    either way: ``reused`` set when blocks were repeated, a note saying why when a block list
+    was captured whole."""
     found = _block_list(model)
     if found is None:
         return capture(model, example_inputs, example_kwargs, **kwargs)
@@ -303,10 +303,10 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
         return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
     gm = _module(model, short, stamper.graph())
     gm.graph.lint()  # GraphModule() has generated its code
-    gm.meta[REUSED] = (path, len(blocks))  # not a note: the plan must equal a whole capture's
     aliases, params, trainable = attribute_info(gm, model)
     return replace(short, gm=gm, aliases=aliases, params=params, trainable=trainable,
-                   subclass_parts=subclass_parts(model, gm))
+                   subclass_parts=subclass_parts(model, gm),
+                   reused=(path, len(blocks)))  # not a note: the plan must equal a whole capture's
 
 
 def _checkpointed(gm: fx.GraphModule) -> str | None:

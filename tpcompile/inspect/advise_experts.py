@@ -2,8 +2,8 @@
 
 For every grouped-matmul MoE block of a degree's capture (transformers' Mixtral, Qwen3-MoE,
 OLMoE experts), the cost model of ``experts="auto"``
-(:func:`~tpcompile.passes.planner.experts.grouped_costs`, the constants of
-:mod:`~tpcompile.passes.planner.expert_cost` for the weights' device type: an accelerator's for
+(:func:`~tpcompile.passes.planner.experts.placement.grouped_costs`, the rates of
+:mod:`~tpcompile.passes.planner.devices` for the weights' device type: an accelerator's for
 a model built on meta) prices expert-TP and whole experts per rank for one training step of the
 block on the busiest rank, at the example's routed rows (tokens x top-k) and TP ranks. The
 cheaper is what ``experts="auto"`` plans; the plan's own line (what the ``experts`` option
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpcompile.passes.planner.dims import hinted_shape
-from tpcompile.passes.planner.experts import grouped_costs
+from tpcompile.passes.planner.experts.placement import grouped_costs
 from tpcompile.passes.planner.rules import is_grouped_matmul, viewed_from
 
 __all__ = ["ExpertChoice", "expert_choices", "render_experts"]
@@ -71,7 +71,7 @@ def render_experts(choices: list[ExpertChoice]) -> list[str]:
                c.cheaper, c.planned.split(":")[0])
         groups.setdefault(key, []).append(c.module)
     lines = ["experts (per MoE block, one training step on the busiest rank: "
-             "passes/planner/expert_cost.py; experts=\"auto\" plans the cheaper):"]
+             "passes/planner/experts/cost.py; experts=\"auto\" plans the cheaper):"]
     for (tp, e, w, d, rows, t_ms, e_ms, cheaper, planned), modules in groups.items():
         blocks = modules[0] + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
         lines.append(f"  TP {tp}: {blocks} ({e} experts of width {w}, model width {d}, {rows} "

@@ -2,7 +2,7 @@
 
 The bound is computed from the captured graph before planning, never from tpcompile's plan,
 so a weight the planner leaves whole cannot shrink it. Definition, per repeated block (the
-module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.layer_of`):
+module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths.block_path`):
 
 * A *matmul* is a node the rule table marks ``matmul`` with one operand computed from stored
   tensors only (a parameter, its views, a quantized weight's dequantization); its *weight* is
@@ -24,8 +24,9 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
   a matmul on one row per sample (a timestep embedder, an adaLN modulation on ``(batch, dim)``
   in a model with token rows) whose chain (it, the matmuls it feeds, their weights, their
   outputs' all-reduces and its input's gradient sync) does not pay under the planner's cost
-  rule (:func:`~tpcompile.passes.planner.chain_cost.chain_cost`, the same predicate the
-  planner asks), judged in graph order before the styles, so that it starts no chain.
+  rule (:func:`~tpcompile.passes.planner.chain_cost.per_sample_chain` and
+  :func:`~tpcompile.passes.planner.chain_cost.chain_cost`, what the planner asks), judged in
+  graph order before the styles, so that it starts no chain.
   A model with no repeated blocks is judged as one block. A bias follows a colwise weight and
   stays whole with a rowwise one.
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
@@ -58,6 +59,21 @@ module path up to its first ModuleList index, :func:`~tpcompile.inspect.chains.l
 Pieces are followed from the matmul's output only through views, cuts and channelwise ops: a
 piece computed with other values first is not seen, and counted split. A matmul whose sizes
 have no example value is not judged: it is named in ``Bound.undecided`` with the reason.
+
+What it shares with the planner, and what is its own. Shared are facts about an op or a
+tensor that say nothing about how to cut it, which both must read alike or the bound would
+judge another graph: the rule table's fields ``matmul`` (which ops are matmuls,
+``is_param_matmul``), ``view`` (which ops only re-index a value, ``is_view``) and
+``attention`` (``is_attention``), and the fresh buffers ``writes.any_placement`` names (no use
+of a value); which stored tensors make a quantized weight
+(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in
+(:mod:`tpcompile.core.block_paths`, the chain report's answer too); and the cost rule's chain
+and price (:mod:`tpcompile.passes.planner.chain_cost`), a stated model the bound must not
+price differently. Its own are the op sets of :mod:`tpcompile.inspect.bound_graph` (ops that keep a
+partial sum a sum, join sums, cut a value into pieces, keep features apart, take a statistic
+over features; ``topk`` as a router) and the styles above: those are what the rule table's
+``propagate`` functions decide, and an oracle that read them would inherit a rule's mistake
+instead of catching it.
 """
 
 from __future__ import annotations
@@ -66,13 +82,13 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound_graph import (
     Matmul, find_matmuls, grad_carriers, reach_forward, reduce_points, value_bytes, value_users,
     whole_read,
 )
-from tpcompile.inspect.chains import layer_of
-from tpcompile.passes.planner.chain_cost import batch_of, chain_cost, cost_device, per_sample_rows
+from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
 from tpcompile.passes.planner.quantized import is_quantized_storage, stored_inputs, weight_targets
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
@@ -158,13 +174,14 @@ def _unpaid(cap: Capture, mms: list[Matmul], world_size: int, device_name: str,
             carriers: set) -> dict:
     """Per-sample matmuls whose chain does not pay (module docstring), in graph order: one kept
     whole starts no chain, so the next matmul reading it is judged as a chain's start."""
-    device, batch = cost_device(device_name), batch_of(cap.gm)
-    if device is None or world_size < 2 or all(per_sample_rows(m.activation, batch) for m in mms):
+    priced = pricing(device_name, world_size, cap.gm, [m.activation for m in mms])
+    if priced is None:
         return {}
+    device, batch = priced
     stored = {n.target: n for n in cap.gm.graph.find_nodes(op="get_attr")}
     by_node, unpaid = {m.node: m for m in mms}, {}
     for m in mms:
-        if not per_sample_rows(m.activation, batch) or any(
+        if not per_sample_chain([m.activation], batch) or any(
                 u in by_node and u not in unpaid for u in m.upstream):
             continue  # on token rows, or the row-parallel end of another chain
         rows = [by_node[d] for d in m.downstream if d in by_node]
@@ -293,7 +310,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
                  if m not in mms for w in m.weights] + _undequantized(cap, found)
     by_layer: dict[str, list[Matmul]] = {}
     for m in mms:
-        by_layer.setdefault(layer_of(module_path(m.node)), []).append(m)
+        by_layer.setdefault(block_path(module_path(m.node)), []).append(m)
     styles, reasons, blocks, whole_part = {}, {}, {}, {}
     # an inference-only capture (custom autograd Functions under no_grad) runs no backward
     trainable = frozenset() if cap.inference_only else cap.trainable

@@ -21,8 +21,8 @@ import networkx as nx
 import torch
 from torch import fx
 
+from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, concrete_shape, module_path
-from tpcompile.inspect.chains import layer_of
 from tpcompile.passes.planner.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
@@ -118,7 +118,7 @@ def _matmul(node: fx.Node) -> Matmul | None:
 
 
 def _layer(node: fx.Node) -> str:
-    return layer_of(module_path(node))
+    return block_path(module_path(node))
 
 
 def _nearest(m: Matmul, by_node: dict, layer: str, up: bool) -> list[fx.Node]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from torch import fx
 
+from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import module_path
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
@@ -22,7 +23,7 @@ from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
 from tpcompile.passes.planner.quantized import dequantized_readers, dequantized_weight
 from tpcompile.passes.planner.rules import is_param_matmul, is_sum
 
-__all__ = ["Chain", "find_chains", "layer_of"]
+__all__ = ["Chain", "find_chains"]
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,6 @@ def _roots(p) -> set[str]:
     return {x.layout.root for x in each(p) if isinstance(x, Shard) and x.layout.root != SEQUENCE}
 
 
-def layer_of(path: str) -> str:
-    """'layers.3.attention.wq' -> 'layers.3': the path up to its first ModuleList index."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
-
-
 def _common_path(paths: list[str]) -> str:
     split = [p.split(".") for p in paths]
     common = os.path.commonprefix(split) if split else []
@@ -89,9 +81,9 @@ def find_chains(gm: fx.GraphModule, plan: ShardingPlan) -> tuple[list[Chain], di
     for node in gm.graph.nodes:
         out = plan.placements.get(node.name)
         roots, summed = _roots(out), set()
-        layer = layer_of(module_path(node))
+        layer = block_path(module_path(node))
         for arg in node.all_input_nodes:
-            elsewhere = layer and layer_of(module_path(arg)) != layer
+            elsewhere = layer and block_path(module_path(arg)) != layer
             if isinstance(out, Partial) and not is_sum(node):
                 roots |= node_roots.get(arg.name, set())  # partial sums carry their chain
             elif isinstance(out, Partial) and not elsewhere:
@@ -161,11 +153,11 @@ def _build(nodes: list[fx.Node], plan: ShardingPlan, readers: dict[fx.Node, fx.N
     exits += [n.name for n in nodes if _sums_experts(n, plan)]
     params = by_style["colwise"] + by_style["rowwise"] + by_style["expert"] + by_style["replicate"]
     owners = [p.rpartition(".")[0] for p in params] or [nodes[0].name]
-    inside = [o for o in owners if layer_of(o)]  # a table outside the layers joins their chain
+    inside = [o for o in owners if block_path(o)]  # a table outside the blocks joins their chain
     name = _common_path(inside or owners) or owners[0]
     members = frozenset(n.name for n in nodes)
     synced = tuple(v.name for v in {a for n in nodes for a in n.all_input_nodes}
                    if v.name in plan.grad_syncs)
-    return Chain(name, layer_of(name), tuple(by_style["colwise"]), tuple(by_style["rowwise"]),
+    return Chain(name, block_path(name), tuple(by_style["colwise"]), tuple(by_style["rowwise"]),
                  tuple(by_style["replicate"]), tuple(entries), tuple(exits), members,
                  tuple(sorted(synced)), tuple(by_style["expert"]))

@@ -1,4 +1,4 @@
-"""The cost model behind ``tpcompile advise``: devices, FLOPs of a graph's matmuls, ring times.
+"""The cost model behind ``tpcompile advise``: FLOPs of a graph's matmuls, ring times, fits.
 
 Stated once here, printed by every ``advise`` run and documented in docs/visualize.md:
 
@@ -25,6 +25,9 @@ Stated once here, printed by every ``advise`` run and documented in docs/visuali
   (:mod:`tpcompile.inspect.retained`), or for inference the KV cache (the key and value
   operands of every attention at the example's batch and sequence). ``usable_memory`` of the
   device is available (the rest: CUDA context, workspaces, fragmentation).
+
+The device is a datasheet preset of the planner's one device table
+(:data:`~tpcompile.passes.planner.devices.PRESETS`) or one the command line states.
 """
 
 from __future__ import annotations
@@ -34,45 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from tpcompile.passes.planner.devices import Device
 from tpcompile.passes.planner.rules import contraction_flops, flops_of
 
-__all__ = ["Device", "DEVICES", "CostModel", "matmul_flops", "ring", "ring_seconds", "peak_flops"]
+__all__ = ["CostModel", "matmul_flops", "ring", "ring_seconds", "peak_flops"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    bf16_flops: float        # dense tensor-core peak for bfloat16 / float16 matmuls, FLOP/s
-    fp32_flops: float        # float32 peak without TF32 (PyTorch's default matmul precision)
-    link_gbps: float         # GPU-to-GPU bandwidth per direction, Gbit/s
-    memory_gib: float
-    source: str
-
-
-def _gbps(gigabytes_per_s_bidirectional: float) -> float:
-    """NVIDIA quotes NVLink as total bidirectional GB/s; a ring sends one way: half, in Gbit/s."""
-    return gigabytes_per_s_bidirectional / 2 * 8
-
-
-DEVICES = {
-    "h100": Device("NVIDIA H100 SXM5 80GB", 989e12, 67e12, _gbps(900), 80 * 1000**3 / 1024**3,
-                   "NVIDIA H100 Tensor Core GPU datasheet, SXM5: BF16 1,979 TFLOPS with sparsity "
-                   "(989 dense), FP32 67 TFLOPS, 80 GB HBM3, NVLink 900 GB/s"),
-    "h200": Device("NVIDIA H200 SXM 141GB", 989e12, 67e12, _gbps(900), 141 * 1000**3 / 1024**3,
-                   "NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity "
-                   "(989 dense), FP32 67 TFLOPS, 141 GB HBM3e, NVLink 900 GB/s"),
-    "a100": Device("NVIDIA A100 SXM4 80GB", 312e12, 19.5e12, _gbps(600), 80 * 1000**3 / 1024**3,
-                   "NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB: BF16 312 TFLOPS dense, "
-                   "FP32 19.5 TFLOPS, 80 GB HBM2e, NVLink 600 GB/s"),
-    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", 312e12, 19.5e12, _gbps(600), 40 * 1000**3 / 1024**3,
-                        "NVIDIA A100 Tensor Core GPU datasheet, SXM4 40GB: BF16 312 TFLOPS dense, "
-                        "FP32 19.5 TFLOPS, 40 GB HBM2, NVLink 600 GB/s"),
-    "l40s": Device("NVIDIA L40S 48GB (PCIe)", 362e12, 91.6e12, _gbps(64), 48 * 1000**3 / 1024**3,
-                   "NVIDIA L40S datasheet: BF16 362 TFLOPS dense (733 with sparsity), FP32 91.6 "
-                   "TFLOPS, 48 GB GDDR6, PCIe Gen4 x16 64 GB/s (no NVLink)"),
-}
 
 
 @dataclass(frozen=True)

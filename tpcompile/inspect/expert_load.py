@@ -1,6 +1,6 @@
 """``explain``'s per-rank expert load: the rows of the example batch routed to each rank's experts.
 
-Expert parallelism's cost is its busiest rank (``passes/planner/expert_cost.py`` prices it
+Expert parallelism's cost is its busiest rank (``passes/planner/experts/cost.py`` prices it
 from uniform routing); this is the load the example batch itself puts on each rank. The model
 runs once on the example inputs (no gradient) under a dispatch mode that reads the offsets of
 every grouped matmul (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``): the first

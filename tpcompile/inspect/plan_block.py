@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tpcompile.inspect.chains import layer_of
+from tpcompile.core.block_paths import block_path
 from tpcompile.inspect.trace import RewriteTrace, source_line
 
 __all__ = ["Box", "Row", "Section", "BlockView", "block_view", "short_shape"]
@@ -118,14 +118,14 @@ def _signature(report, layer: str, counts: dict) -> tuple:
     prefix = layer + "."
     params = tuple(sorted(
         (name.removeprefix(prefix), p.style, p.dim, tuple(p.local_shape), p.grad_sync)
-        for name, p in report.params.items() if layer_of(name) == layer))
+        for name, p in report.params.items() if block_path(name) == layer))
     return params + (counts.get(layer, (0, 0)),)
 
 
 def _differences(report, layer: str, block: str, counts: dict) -> list[str]:
     def table(l):
         return {name.removeprefix(l + "."): p for name, p in report.params.items()
-                if layer_of(name) == l}
+                if block_path(name) == l}
     mine, base = table(layer), table(block)
     out = []
     for name in sorted(set(mine) | set(base)):
@@ -161,7 +161,7 @@ def block_view(report, trace: RewriteTrace) -> BlockView:
     counts = {m.layer: (m.forward, m.backward) for m in report.megatron}
     layers: dict[str, list[str]] = {}
     for name in report.params:
-        layers.setdefault(layer_of(name), []).append(name)
+        layers.setdefault(block_path(name), []).append(name)
     repeated = [layer for layer in layers if layer]
     sigs = {layer: _signature(report, layer, counts) for layer in repeated}
     block, same, differing = "", [], {}

@@ -22,8 +22,8 @@ from itertools import accumulate
 
 from torch import fx
 
+from tpcompile.core.block_paths import block_path
 from tpcompile.core.placement import Shard
-from tpcompile.inspect.chains import layer_of
 from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.collectives import (
     COLLECTIVE_FNS, copy_all_to_region, issued, sync_grad_pieces,
@@ -141,7 +141,7 @@ def list_collectives(trace: RewriteTrace, recomputed: set = frozenset()) -> list
             module = module_path(src)
             out.append(CollectiveEntry(op, phase, shape, dtype_name(value.dtype),
                                        nbytes(shape, value.dtype), src.name, module,
-                                       call.name, layers.get(src.name, layer_of(module)),
+                                       call.name, layers.get(src.name, block_path(module)),
                                        values, repeat))
     return out
 
@@ -166,9 +166,9 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
     for name in trace.bound.split():
         entry = trace.plan.params.get(name)
         if entry is not None and (entry.style == "replicate" or not isinstance(entry.placement, Shard)):
-            row(layer_of(name))["whole"].append(name)
+            row(block_path(name))["whole"].append(name)
     for item in trace.bound.undecided:
-        row(layer_of(item.partition(":")[0]))["undecided"].append(item)
+        row(block_path(item.partition(":")[0]))["undecided"].append(item)
     for c in collectives:
         r = row(c.layer)
         r[c.phase] += 1

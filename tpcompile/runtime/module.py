@@ -31,7 +31,8 @@ class TPModule(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, rank: int, group,
                  check_calls: str = "new", checkpointed_regions: tuple[str, ...] = (),
-                 skeleton_capture=None, capture_signature=None):
+                 skeleton_capture=None, capture_signature=None,
+                 reused_blocks: tuple[str, int] | None = None):
         super().__init__()
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -46,6 +47,8 @@ class TPModule(nn.Module):
         self.plan, self.rank, self.group = plan, rank, group
         # the names of the regions recomputed in backward (activation_checkpointing)
         self.checkpointed_regions = checkpointed_regions
+        # (block list path, blocks) when the capture repeated blocks (core.stamp), else None
+        self.reused_blocks = reused_blocks
         object.__setattr__(self, "input_spec", InputSpec.of(gm))  # what a call must look like
         # ranks agree on each new call before the graph's collectives (a collective itself:
         # every rank of the group constructs its TPModule at the same point, in parallelize)

@@ -6,14 +6,15 @@ with depth). :func:`regional_graph` outlines the identical copies into calls of 
 marked with ``torch.compiler.nested_compile_region``: Dynamo traces it once as an
 ``invoke_subgraph`` and stamps out the other calls, AOT autograd and inductor compile one body.
 
-A *region* is one call of a repeated block: the outermost entry of a node's
-``nn_module_stack`` that is an item of a module list (its path ends in an index) whose class
-the graph calls at two or more such paths (``layers.0``, ``layers.1``, ... of
-``LlamaBlock``). Nodes the rewrite inserted (collectives) carry no stack and join the region
-of their first input. Two regions share one body when their nodes, in
-order, have the same ops, targets, constant arguments, wiring and tensor metadata; every value
-from outside (parameters, activations, sizes) becomes an argument, so the weights of block i
-are inputs of the shared body rather than constants of it. A region that is not a contiguous
+A *region* here is one call of a repeated block, outlined: the outermost block whose call a
+node runs in (:func:`~tpcompile.core.block_paths.block_of`), counting only the items of a
+module list (their paths end in an index) whose class the graph calls at two or more such
+paths (``layers.0``, ``layers.1``, ... of ``LlamaBlock``). Nodes the rewrite inserted
+(collectives) carry no stack and join the region of their first input. Two regions share
+one body when their nodes, in order, have the same ops, targets, constant arguments, wiring
+and tensor metadata; every value from outside (parameters, activations, sizes) becomes an
+argument, so the weights of block i are inputs of the shared body rather than constants of
+it. A region that is not a contiguous
 run of nodes, or has no twin, stays inline: the result is always the same computation.
 
 The flat graph stays :attr:`TPModule.graph_module` (what eager calls and the inspection tools
@@ -27,6 +28,8 @@ from collections import Counter, defaultdict
 
 import torch
 from torch import fx
+
+from tpcompile.core.block_paths import block_of
 
 __all__ = ["regional_graph", "region_of_nodes"]
 
@@ -47,14 +50,13 @@ def region_of_nodes(graph: fx.Graph) -> dict[fx.Node, str]:
         for path, cls in _stack(node):
             if path.rpartition(".")[2].isdigit():  # an item of a ModuleList / Sequential
                 paths_of[cls].add(path)
-    repeated = {cls for cls, paths in paths_of.items() if len(paths) >= 2}
+    blocks = {p for paths in paths_of.values() if len(paths) >= 2 for p in paths}
     out: dict[fx.Node, str] = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        stack = _stack(node)
-        if stack:
-            region = next((p for p, cls in stack if p in paths_of[cls] and cls in repeated), None)
+        if _stack(node):
+            region = block_of(node, blocks, called=True)
         else:  # inserted by the rewrite: the region of its first input
             region = next((out[a] for a in node.all_input_nodes if a in out), None)
         if region is not None:

@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_advise(sub) -> None:
-    from tpcompile.inspect.costs import DEVICES
+    from tpcompile.passes.planner.devices import PRESETS
 
     advise = sub.add_parser(
         "advise", help="which TP x FSDP split, checkpointing and SP: memory and step time",
@@ -117,7 +117,7 @@ def _add_advise(sub) -> None:
                     "stated cost model (docs/visualize.md).")
     _add_target(advise, ranks=False)
     advise.add_argument("--gpus", type=int, required=True, help="GPUs to split into TP x DP")
-    advise.add_argument("--device", choices=sorted(DEVICES),
+    advise.add_argument("--device", choices=sorted(PRESETS),
                         help="device preset (datasheet numbers; see docs/visualize.md)")
     advise.add_argument("--flops", type=float, metavar="F",
                         help="peak matmul FLOP/s for the model's dtype (overrides the preset)")
@@ -233,7 +233,8 @@ def _cost_model(args):
     """The device preset with the flags' overrides; every number needed must come from one."""
     from dataclasses import replace
 
-    from tpcompile.inspect.costs import DEVICES, CostModel, Device
+    from tpcompile.inspect.costs import CostModel
+    from tpcompile.passes.planner.devices import PRESETS, Device
     from tpcompile.tools.cli_targets import UsageError
 
     if args.gpus < 1:
@@ -245,15 +246,15 @@ def _cost_model(args):
         if value is not None and value <= 0:
             raise UsageError(f"--{flag} must be positive, got {value:g}", f"e.g. --{flag} 400")
     if args.device:
-        device = DEVICES[args.device]
+        device = PRESETS[args.device]
     elif None in given.values():
         missing = ", ".join(f"--{k}" for k, v in given.items() if v is None)
         raise UsageError(f"no --device and no {missing}",
-                         f"pick a preset (--device {'|'.join(sorted(DEVICES))}) or give "
+                         f"pick a preset (--device {'|'.join(sorted(PRESETS))}) or give "
                          "--flops, --link-gbps and --memory-gib")
     else:
-        device = Device("custom", args.flops, args.flops, args.link_gbps, args.memory_gib,
-                        "given on the command line")
+        device = Device("custom", "given on the command line", bf16_flops=args.flops,
+                        fp32_flops=args.flops, link_gbps=args.link_gbps, memory_gib=args.memory_gib)
     if args.device and any(v is not None for v in given.values()):
         device = replace(device, name=device.name + " (overridden)",
                          bf16_flops=args.flops or device.bf16_flops,

@@ -24,8 +24,8 @@ Then :func:`~tpcompile.passes.planner.freeze.freeze` reads the settled state int
 
 from __future__ import annotations
 
-from tpcompile.passes.planner.grouped_experts import whole_grouped_experts
-from tpcompile.passes.planner.looped_experts import whole_looped_experts
+from tpcompile.passes.planner.experts.grouped import whole_grouped_experts
+from tpcompile.passes.planner.experts.looped import whole_looped_experts
 from tpcompile.passes.planner.mutations import check_mutations
 from tpcompile.passes.planner.refine.cache_cuts import cache_cuts
 from tpcompile.passes.planner.refine.carried_sums import carried_sums

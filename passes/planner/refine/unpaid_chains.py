@@ -17,8 +17,8 @@ import networkx as nx
 from torch import fx
 
 from tpcompile.core.placement import Partial, Shard
-from tpcompile.passes.planner.chain_cost import (ChainCost, batch_of, chain_cost, cost_device,
-                                                 operands, per_sample_rows, stored)
+from tpcompile.passes.planner.chain_cost import (ChainCost, chain_cost, operands, per_sample_chain,
+                                                 pricing, stored)
 from tpcompile.passes.planner.propagate import Constraints, Propagation
 from tpcompile.passes.planner.reads import consumed, roots_behind
 from tpcompile.passes.planner.refine.decision import Decision
@@ -29,20 +29,19 @@ __all__ = ["unpaid_chains"]
 
 def unpaid_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> Decision:
     """Kill the roots of per-sample regions whose collectives cost more than they save."""
-    device = cost_device(constraints.options.chain_cost)
-    if device is None or state.specs.world_size < 2 or not state.roots:
-        return Decision()
-    batch = batch_of(gm)
     users = {u for found in state.root_users.values() for u in found}
-    if all(_per_sample(u, batch) for u in users):
-        return Decision()  # no token rows: nothing scales differently from the rest
+    priced = pricing(constraints.options.chain_cost, state.specs.world_size, gm,
+                     [operands(u)[0] for u in users])
+    if priced is None:
+        return Decision()
+    device, batch = priced
     regions = nx.Graph()
     regions.add_nodes_from(state.roots)
     regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
     dead = {}
     for component in nx.connected_components(regions):
         cols = {u for r in component for u in state.root_users.get(r, ())}
-        if not all(_per_sample(u, batch) for u in cols):
+        if not per_sample_chain([operands(u)[0] for u in cols], batch):
             continue
         cost = _price(state, constraints.needs_grad, component, cols, batch, device)
         if not cost.pays:
@@ -71,6 +70,3 @@ def _sharded_from(state: Propagation, value: fx.Node, user: fx.Node, component: 
     p = consumed(state, value, user)
     return isinstance(p, Shard) and p.layout.root in component
 
-
-def _per_sample(matmul: fx.Node, batch: int | None) -> bool:
-    return per_sample_rows(operands(matmul)[0], batch)

@@ -10,9 +10,8 @@ import torch
 from torch import fx
 
 from tpcompile.core.placement import Shard
-from tpcompile.runtime.grouped_experts import grouped_mm_rows
+from tpcompile.runtime.routed_rows import grouped_mm_rows
 from tpcompile.passes.planner.dims import hinted_shape, shape
-from tpcompile.passes.planner.experts import grouped_mode
 from tpcompile.passes.planner.rules.table import register
 from tpcompile.passes.planner.rules.einsum import replicate_all, einsum_rule
 
@@ -118,7 +117,7 @@ def _einsum(op):
 
 def _localize_grouped_mm(node, local):
     """Whole experts per rank (the weight arrives cut on its expert dim): the rank multiplies
-    only the rows routed to its experts (:mod:`tpcompile.runtime.grouped_experts`)."""
+    only the rows routed to its experts (:mod:`tpcompile.runtime.routed_rows`)."""
     p = local.consumed(node.args[1], node)
     if not (isinstance(p, Shard) and p.dim == 0):
         return
@@ -138,14 +137,14 @@ def _grouped_mm(op):
     (column-parallel experts), a cut of ``k`` gives partial sums (row-parallel); the expert dim
     is a selection, not a sum, so it carries no label and propagation never cuts it. Whole
     experts per rank are planned on that column -> row chain, then moved onto the expert dim
-    (:mod:`tpcompile.passes.planner.grouped_experts`); this rule records which is asked."""
+    (:mod:`tpcompile.passes.planner.experts.grouped`); this rule records which is asked."""
     x, w = op.node.args[0], op.node.args[1]
     if len(shape(x)) != 2 or len(shape(w)) != 3:
         return replicate_all(op)
     operands = [(x, ["t", "k"]), (w, [None, "k", "n"])]
     out = einsum_rule(op, operands, ["t", "n"], linear="mul", matmul=True)
     if isinstance(out, Shard) and op.param_behind(w) is not None:
-        op.place_experts(w, *grouped_mode(op, w))
+        op.place_grouped_experts(w)
     return out
 
 

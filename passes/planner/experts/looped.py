@@ -20,7 +20,7 @@ per block (``experts="tensor"``). This step then hands each expert whole to one 
 A block stays tensor parallel, with the reason in the plan's ``experts``, when it has fewer
 experts than ranks, when part of an expert's features is kept whole, or when a conversion
 reads a value cut on an expert's features (only the combined partial sum may be converted).
-``experts="auto"`` asks :func:`~tpcompile.passes.planner.expert_cost.expert_costs` with a
+``experts="auto"`` asks :func:`~tpcompile.passes.planner.experts.cost.expert_costs` with a
 device that runs one matmul per expert (a loop does), the block's tokens and its router's
 top-k as the routed rows.
 """
@@ -36,7 +36,8 @@ from torch import fx
 from tpcompile.core.placement import Block, Partial, RootSpec, Shard, Specs
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.dims import hinted_shape, val
-from tpcompile.passes.planner.expert_cost import device_for, expert_costs
+from tpcompile.passes.planner.devices import device_for
+from tpcompile.passes.planner.experts.cost import expert_costs
 
 __all__ = ["whole_looped_experts"]
 

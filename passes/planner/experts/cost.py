@@ -21,8 +21,8 @@ count ``E``, each expert's width ``W`` (its hidden features: gate_up is ``2W x D
   ``2 x tokens x D``, the same for both cuts (which is why they never decide).
 
 Time is ``FLOPs / matmul rate + bytes / memory rate + calls x call time + all-reduce time``.
-The :class:`Device` constants are stated, not fitted: ``bench/experts.py`` measures the two
-cuts and reports whether the cheaper one here is the faster one there.
+The :class:`~tpcompile.passes.planner.devices.Device` rates are the planner's device table's
+(:mod:`tpcompile.passes.planner.devices`).
 """
 
 from __future__ import annotations
@@ -30,37 +30,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Device", "DEVICES", "ExpertCost", "expert_costs", "device_for"]
+from tpcompile.passes.planner.devices import Device
 
-
-@dataclass(frozen=True)
-class Device:
-    """What one rank does per second, and what a call costs."""
-
-    name: str
-    matmul_flops: float      # FLOP/s of a large float32 matmul on one rank
-    memory_bytes: float      # bytes/s of elementwise ops and weight reads
-    call_s: float            # one matmul call (Python dispatch, kernel launch)
-    host_read_s: float       # reading a device tensor's values on the host (a sync)
-    allreduce_bytes: float   # bytes/s of an all-reduce's ring
-    allreduce_s: float       # an all-reduce's fixed latency
-    call_per_expert: bool    # its grouped matmul runs one matmul per expert
-
-
-DEVICES = {
-    # one gloo rank, one thread of a desktop / server core, transformers' looping fallback
-    "cpu": Device("cpu", matmul_flops=40e9, memory_bytes=4e9, call_s=20e-6, host_read_s=2e-6,
-                  allreduce_bytes=1e9, allreduce_s=100e-6, call_per_expert=True),
-    # an H100-class GPU, NVLink all-reduce, one grouped-matmul kernel per call
-    "cuda": Device("cuda", matmul_flops=50e12, memory_bytes=2e12, call_s=8e-6, host_read_s=30e-6,
-                   allreduce_bytes=150e9, allreduce_s=20e-6, call_per_expert=False),
-}
-
-
-def device_for(kind: str) -> Device:
-    """The constants of a device type: ``cpu`` or any accelerator (a model planned on the
-    meta device is taken to be bound for one)."""
-    return DEVICES["cpu" if kind == "cpu" else "cuda"]
+__all__ = ["ExpertCost", "expert_costs"]
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,15 @@ A grouped matmul (``_grouped_mm(x, w, offs)``: Mixtral, Qwen3-MoE and OLMoE in t
 the planner plans its experts as a column -> row chain (``w_up`` cut on its features, the
 activation between sharded alike, ``w_down``'s product a partial sum all-reduced once), and
 the grouped rule records when whole experts are asked (``"rows"``,
-:func:`tpcompile.passes.planner.experts.grouped_mode`). This step then moves that chain onto
-the expert dim, keeping its collectives:
+:func:`tpcompile.passes.planner.experts.placement.grouped_mode`). This step then moves that
+chain onto the expert dim, keeping its collectives:
 
 - every weight of the chain is cut on dim 0 into whole experts (``RootSpec``'s blocks: the
   first ranks take one more when the count does not divide);
 - the chain's feature root is held whole on every rank: between the grouped matmuls each
   rank holds every row and feature, zero on the rows routed to other ranks' experts;
 - each grouped matmul multiplies the rank's rows only (their bounds read from the offsets at
-  run time, :mod:`tpcompile.runtime.grouped_experts`), so the last one's output is a partial
+  run time, :mod:`tpcompile.runtime.routed_rows`), so the last one's output is a partial
   sum of disjoint rows, all-reduced where the chain's was.
 
 The compute trade: the rows cannot be cut statically (the routing decides how many each

@@ -3,7 +3,7 @@
 A grouped matmul (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``) multiplies the
 rows of ``x`` (sorted by expert) group by group: the rows of expert ``e`` end at ``offs[e]``.
 Under ``experts="expert"`` a rank holds experts ``[first, last)`` only
-(``passes/planner/grouped_experts.py``). Where their rows start and end depends on this step's
+(``passes/planner/experts/grouped.py``). Where their rows start and end depends on this step's
 routing, so it is read from the offsets at run time (one host read per call): the rank
 multiplies those rows by its experts, with offsets made relative to their first row, and
 returns a tensor of every row, zero outside them. Summed over the ranks those are the whole

@@ -10,7 +10,7 @@ locally, every op after keeps the expert shard, and the sum over experts is a pa
 all-reduced once where a consumer needs it whole: the collectives of expert-TP, with whole
 experts. Grouped matmuls (``_grouped_mm``: rows picked per expert by offsets, transformers'
 MoEs) are planned column -> row and then moved onto their experts when asked
-(:func:`grouped_mode`, :mod:`tpcompile.passes.planner.grouped_experts`).
+(:func:`grouped_mode`, :mod:`tpcompile.passes.planner.experts.grouped`).
 
 What was chosen for each weight, and why, is recorded during propagation
 (:func:`choose_column`, :func:`place_experts`) and frozen per MoE module into
@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 
 from tpcompile.passes.planner.dims import hinted_shape, shape, val
-from tpcompile.passes.planner.expert_cost import device_for, expert_costs
+from tpcompile.passes.planner.devices import device_for
+from tpcompile.passes.planner.experts.cost import expert_costs
 
 __all__ = ["choose_column", "expert_label", "grouped_costs", "grouped_mode", "place_experts",
            "expert_placements"]
@@ -78,7 +79,7 @@ def grouped_mode(op, w) -> tuple[str, str]:
     """How the experts of a grouped matmul's weight ``w`` (experts, in, out) are asked to be
     cut, and why: ``"rows"`` (whole experts per rank, each multiplying only the rows routed
     to it: the column -> row chain planned as for ``"tensor"`` is moved onto the expert dim
-    after planning, :mod:`tpcompile.passes.planner.grouped_experts`) or ``"tensor"``."""
+    after planning, :mod:`tpcompile.passes.planner.experts.grouped`) or ``"tensor"``."""
     mode, ranks = op.options.experts, op.specs.world_size
     count = int(shape(w)[0])
     why = f'experts="{mode}"'
@@ -94,7 +95,7 @@ def grouped_mode(op, w) -> tuple[str, str]:
 def grouped_costs(x, w, ranks: int) -> dict:
     """Both cuts of the grouped matmul of ``x`` (the routed rows) by ``w`` (experts, model
     width, ``2W``: its output read as gate and up) priced by
-    :func:`~tpcompile.passes.planner.expert_cost.expert_costs` for the example's rows on the
+    :func:`~tpcompile.passes.planner.experts.cost.expert_costs` for the example's rows on the
     weight's device type and dtype: what ``experts="auto"`` and ``advise`` weigh."""
     experts, model_width, out = hinted_shape(w)
     return expert_costs(experts, out // 2, model_width, hinted_shape(x)[0], ranks,
