@@ -5,13 +5,15 @@ ruled overload through a decomposition), each sample (CPU, small, at most ``MAX_
 traced with ``make_fx`` twice: pre-dispatch (the ops ``torch.export`` keeps: ``linear``,
 ``matmul``, ``softmax.int``) and post-dispatch (their decompositions: ``t``, ``mm``,
 ``_softmax``). Every traced node whose overload has a rule becomes a one-op graph, and every
-placement of its tensor inputs (Replicate, Partial for floating inputs, Shard on each dim) is
-propagated. Where the rule *accepts* the placements (an output placement, no conversion of
-any input: the op runs on each rank's pieces as they are), the op is localized for each rank
-(the rule's ``localize``), run on that rank's pieces and compared with the op on whole tensors:
+placement of its tensor inputs (Replicate, Partial for floating inputs and max / min partials
+too, Shard on each dim) is propagated. Where the rule *accepts* the placements (an output
+placement, no conversion of any input: the op runs on each rank's pieces as they are), the op
+is localized for each rank (the rule's ``localize``), run on that rank's pieces and compared
+with the op on whole tensors:
 
 - a Shard output must equal that rank's slice of the whole output,
-- a Partial output, summed over ranks, must equal the whole output,
+- a Partial output, reduced over ranks (summed; by max / min for a max / min partial), must
+  equal the whole output,
 - a Replicate output must equal the whole output.
 
 World sizes 2 and 3 (3 cuts most dims unevenly, and dims shorter than the world size give
@@ -228,6 +230,8 @@ def _choices(t: torch.Tensor, name: str):
     yield Replicate()
     if t.dtype.is_floating_point or t.dtype.is_complex:
         yield Partial()
+    if t.dtype.is_floating_point:  # a max / min over a cut dim (rules/extrema.py)
+        yield from (Partial("max"), Partial("min"))
     for d, size in enumerate(t.shape):
         if size > 1:  # a size-1 dim is a broadcast dim to the rules, never a shard
             yield Shard(d, Layout(f"{name}.{size}", size))
@@ -265,6 +269,11 @@ def _accepted(case: Case, ws: int, inputs: dict):
 
 
 def _pieces(t: torch.Tensor, p, specs, ws: int, gen: torch.Generator) -> list[torch.Tensor]:
+    if isinstance(p, Partial) and p.reduce != "sum":  # one rank holds the extremum
+        sign = 1 if p.reduce == "max" else -1
+        below = [t - sign * torch.rand(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+                 for _ in range(ws - 1)]
+        return below[:1] + [t.clone()] + below[1:]
     if isinstance(p, Partial):
         parts = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
                  for _ in range(ws - 1)]
@@ -315,10 +324,11 @@ def _check(case: Case, ws: int, inputs: dict, state) -> None:
             full = torch.zeros_like(full)
             mine = [torch.zeros_like(m) for m in mine]
         if isinstance(p, Partial):
+            combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[p.reduce]
             total = mine[0].clone()
             for m in mine[1:]:
-                total = total + m
-            _close(total, full, True, f"{what}: output {i} summed over ranks")
+                total = combine(total, m)
+            _close(total, full, True, f"{what}: output {i} reduced over ranks by {p.reduce}")
         else:
             for r, m in enumerate(mine):
                 expected = take_shard(full, p, specs, r) if isinstance(p, Shard) else full

@@ -50,6 +50,7 @@ _UNARY = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.
 # ops that only look at a value (export's dtype and device checks): no use of it
 _CHECKS = {aten._assert_tensor_metadata.default}
 _SINK = "sink"  # where reduce_points' paths end
+_SIZES = (torch.SymInt, torch.SymFloat, int, float)  # a size read's value
 # extrema, and the ops through which an extremum stays one (rules/extrema.py plans alike)
 _EXTREMA = {aten.amax.default, aten.amin.default}
 _KEEP_EXTREMA = {aten.maximum.default, aten.minimum.default, aten.neg.default}
@@ -137,7 +138,7 @@ def _nearest(m: Matmul, by_node: dict, layer: str, up: bool) -> list[fx.Node]:
         if up and _statistic(n):
             continue  # whole after its all-reduce: a per-token scale reads no cut onward
         # a size read (``sym_size`` of another value, for a view's shape) carries no data
-        todo.extend([a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        todo.extend([a for a in n.all_input_nodes if not isinstance(a.meta.get("val"), _SIZES)]
                     if up else n.users)
     return found
 
