@@ -15,8 +15,9 @@ and replicated operands, and ``neg``, which turns a max into a min. Every other 
 partial extremum reduced first (``OpView.placement``).
 
 A max has a gradient only at its argmax, and torch splits it among ties along the whole dim,
-which no rank sees; so a value some gradient flows through (``Constraints.needs_grad``) keeps
-the old plan: its cut dim is gathered.
+which no rank sees; so a value some gradient may flow through (``Constraints.needs_grad``:
+downstream of a trainable weight or a floating input; none in an inference-only capture) keeps
+the plan of any reduction: its cut dim is gathered.
 """
 
 from __future__ import annotations
