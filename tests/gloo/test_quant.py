@@ -111,7 +111,7 @@ def torchao():
 # CI: one 2-rank launch, every config planned and run, int8 weight-only generating (each
 # generate captures twice more; it was the config whose generate failed); slow: the others'
 # generate at 2 ranks, and 4 ranks
-CI = (2, tuple(WEIGHT_ONLY + DYNAMIC), ("int8_weight_only", "int8_dynamic_int8"))
+CI = (2, tuple(WEIGHT_ONLY + DYNAMIC), ("int8_weight_only",))
 SLOW = {2: (2, tuple(WEIGHT_ONLY[1:] + DYNAMIC), tuple(WEIGHT_ONLY[1:] + DYNAMIC)),
         4: (4, tuple(WEIGHT_ONLY + DYNAMIC), tuple(WEIGHT_ONLY + DYNAMIC))}
 
