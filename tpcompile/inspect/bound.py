@@ -32,8 +32,12 @@ module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
   ops (sums, scalings, a ``cat`` of them) before any other use (a MoE block's routed and
   shared experts: one), of the bytes of the value where the sum leaves them; and one per
-  statistic (a norm's mean) over a colwise matmul's whole output features, or over all heads
-  of attention's output when the matmul makes its value (BitNet's norm before ``o_proj``).
+  statistic (a norm's mean, a quantization's max or min) over a colwise matmul's whole output
+  features, or over all heads of attention's output when the matmul makes its value or its
+  query (BitNet's norm before ``o_proj``, a per-token scale there). A max and a min of one
+  value that meet through ``maximum`` / ``minimum`` / ``neg`` (a symmetric scale: the largest
+  magnitude) are one. Walking upstream from a matmul, a statistic ends the path (it is whole
+  once all-reduced), and so does a size read.
 * Backward (for inputs computed from a trainable tensor: a frozen model, or a block reading
   the caller's data, asks no input gradient): one all-reduce per group of colwise inputs
   whose partial gradients can be summed at one value (``reduce_points``): backward is linear in the gradient, so a partial gradient

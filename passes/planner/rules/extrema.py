@@ -41,7 +41,7 @@ _FLIP = {"max": "min", "min": "max"}
 
 
 @register(*_REDUCE)
-def _extremum(op):
+def _reduce_extremum(op):
     """``amax`` / ``amin`` over dims one of which is cut: each rank's extremum of its
     features, a partial the first reader all-reduces by max / min (a per-token statistic, as
     a norm's mean of squares). Otherwise, or where a gradient flows, as any reduction: a cut
@@ -71,10 +71,8 @@ def _keep_extremum(op):
 def _negate(op):
     """``-max_r a_r = min_r -a_r``: a max partial negated is a min partial, and back; any
     other placement as a linear op's."""
-    p = op.placement(op.node.args[0])
-    if isinstance(p, Partial) and p.reduce in _FLIP:
-        return Partial(_FLIP[p.reduce])
-    return pointwise_rule("unary")(op)
+    kind = _extremum(op.placement(op.node.args[0]))
+    return Partial(_FLIP[kind]) if kind else pointwise_rule("unary")(op)
 
 
 RULES[aten.neg_.default] = Rule(in_place(pointwise_rule("unary")))
@@ -85,10 +83,12 @@ RULES[aten.neg_.default] = Rule(in_place(pointwise_rule("unary")))
 def _fresh_like(op):
     """A new tensor of a partial extremum's shape reads no value of it: replicated, with no
     all-reduce (``zeros_like(amax)`` beside the max it is compared with)."""
-    p = op.placement(op.node.args[0])
-    if isinstance(p, Partial) and p.reduce in _FLIP:
-        return Replicate()
-    return pointwise_rule(None)(op)
+    return Replicate() if _extremum(op.placement(op.node.args[0])) else pointwise_rule(None)(op)
+
+
+def _extremum(p) -> str | None:
+    """``"max"`` / ``"min"`` for a partial extremum, None for any other placement."""
+    return p.reduce if isinstance(p, Partial) and p.reduce in _FLIP else None
 
 
 def _reduced_first(op, rule):
