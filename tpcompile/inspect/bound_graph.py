@@ -267,7 +267,7 @@ def _one_per_meeting(stats: list[fx.Node]) -> list[fx.Node]:
     max(amax, 0))``, the largest magnitude: one all-reduce by max); a min and a max used
     apart (an asymmetric scale and zero point) are two."""
     out, met = [], []
-    for n in stats:
+    for n in sorted(stats, key=lambda n: n.name):  # one representative, whatever walk found it
         reach = _extremum_reach(n) if n.target in _EXTREMA else set()
         if reach & set().union(*met):
             continue
