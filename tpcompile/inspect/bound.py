@@ -259,20 +259,22 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     syncs = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial)
     roots = set(syncs)
     stats = {s for m in cols for s in m.statistics}
+    # statistics' gradients (of the matmuls backward reaches): one all-reduce per colwise
+    # input they follow (OLMo 2's q and k norms together; BitNet's norms after attention and
+    # in the MLP one each); an inference-only block's statistics are summed forward only
+    grad_stats = {s for group in syncs.values() for m in group for s in m.statistics}
+    stat_syncs = {r for r, group in syncs.items() if any(m.statistics for m in group)}
     whole = whole_read(layer, cols, mms, trainable)
-    sizes = {n: value_bytes(n) for n in roots | stats}
     fused = [(m, whole_rows(m, world_size)) for m in cols]
     fused = [m.node.meta["val"].dtype.itemsize * rows * m.in_features for m, rows in fused if rows]
-    # statistics' gradients: one all-reduce per colwise input they follow (OLMo 2's q and k
-    # norms together; BitNet's norms after attention and in the MLP one each)
-    stat_syncs = {r for r, group in syncs.items() if any(m.statistics for m in group)}
     return BlockBound(layer, forward + len(stats),
                       len(roots) + len(stat_syncs) + bool(whole and not roots) + len(fused),
-                      forward_bytes + sum(sizes.values()) + sum(sizes[s] for s in stats)
+                      forward_bytes + sum(value_bytes(n) for n in stats)
+                      + sum(value_bytes(n) for n in roots | grad_stats)
                       + sum(value_bytes(w) for w in whole) + sum(fused),
                       tuple(sorted({w.target for w in whole})),
                       {"forward": tuple(sorted(n.name for n in partial | stats)),
-                       "backward": tuple(sorted(n.name for n in roots | stats))})
+                       "backward": tuple(sorted(n.name for n in roots | grad_stats))})
 
 
 def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:

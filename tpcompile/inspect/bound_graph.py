@@ -335,7 +335,7 @@ def _made_from(node: fx.Node | None, source: fx.Node) -> bool:
         if n is source or n in seen or stored_inputs(n) is not None:
             continue
         seen.add(n)  # values only: a view's symbolic sizes come from the inputs' shapes
-        todo.extend(a for a in n.all_input_nodes if _differentiable(a.meta.get("val")))
+        todo.extend(a for a in n.all_input_nodes if _data(a.meta.get("val")))
     return True
 
 
@@ -414,6 +414,15 @@ def reduce_points(node: fx.Node, layer: str, stop: set) -> list[fx.Node]:
         at = idom[at]
         out.append(at)
     return out[::-1]
+
+
+def _data(val) -> bool:
+    """A value a matmul's operand is made of: floating point, or quantized integer data
+    (torchao's int8 activations, their int32 sums); not an int64 index nor a bool mask."""
+    if isinstance(val, (tuple, list)):
+        return any(_data(v) for v in val)
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or (
+        val.dtype not in (torch.bool, torch.int64) and not val.is_complex()))
 
 
 def _differentiable(val) -> bool:
