@@ -226,11 +226,19 @@ def _collect():
     return out, per_op
 
 
-def _choices(t: torch.Tensor, name: str):
+def _reads_extrema(case: Case) -> bool:
+    """Whether max / min partial inputs are tried: on the ``extremal`` rules, which read them
+    as they are, and on ``add`` for every other rule (``OpView.placement`` reduces an extremum
+    before any rule that is not extremal sees it: one code path, one op proves it)."""
+    node = next(n for n in case.gm.graph.nodes if n.name == case.node)
+    return node.target is torch.ops.aten.add.Tensor or rule_for(node).extremal
+
+
+def _choices(t: torch.Tensor, name: str, extrema: bool):
     yield Replicate()
     if t.dtype.is_floating_point or t.dtype.is_complex:
         yield Partial()
-    if t.dtype.is_floating_point:  # a max / min over a cut dim (rules/extrema.py)
+    if t.dtype.is_floating_point and extrema:  # a max / min over a cut dim (rules/extrema.py)
         yield from (Partial("max"), Partial("min"))
     for d, size in enumerate(t.shape):
         if size > 1:  # a size-1 dim is a broadcast dim to the rules, never a shard
@@ -239,11 +247,11 @@ def _choices(t: torch.Tensor, name: str):
 
 def _combos(case: Case, ws: int):
     names = [n.name for n in case.gm.graph.nodes if n.op == "placeholder"]
-    per_input = []
+    per_input, extrema = [], _reads_extrema(case)
     for name, t in zip(names, case.inputs):
         # shards of the same size share a root name (so ops meet aligned shards): per size
         per_input.append([p if not isinstance(p, Shard) else Shard(p.dim, Layout(
-            f"size{p.layout.size}", p.layout.size)) for p in _choices(t, name)])
+            f"size{p.layout.size}", p.layout.size)) for p in _choices(t, name, extrema)])
     combos = [c for c in itertools.product(*per_input) if any(
         not isinstance(p, Replicate) for p in c)]
     if len(combos) > MAX_PLACEMENTS:
