@@ -48,7 +48,10 @@ module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths
   one input: one. This is below Megatron-LM's count (one per column-parallel input) where
   paths meet through whole weights, whose gradients then ride in the same all-reduce. Of the
   bytes of the value they meet at; one more for the gradients of the statistics that follow
-  such a group's inputs. Whole non-matmul weights read where features are cut (a per-head
+  such a group's inputs. Groups whose values are not computed from each other's colwise
+  matmuls are ready together and share one all-reduce of several tensors (joint attention's
+  image and context streams; a decoder's self-attention input and the encoder memory its
+  cross-attention reads): the count is the longest chain of groups that wait on one another. Whole non-matmul weights read where features are cut (a per-head
   q / k norm's weight) have partial gradients that ride in the sync of the colwise input they
   are read after: bytes, not an all-reduce of their own.
 * A colwise matmul whose output is cut (split, head slices, list indices; inside a piece also
@@ -89,8 +92,8 @@ from torch import fx
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound_graph import (
-    Matmul, find_matmuls, grad_carriers, reach_forward, reduce_points, value_bytes, value_users,
-    whole_read,
+    Matmul, computed_from, find_matmuls, grad_carriers, reach_forward, reduce_points,
+    value_bytes, value_users, whole_read,
 )
 from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
 from tpcompile.passes.planner.quantized import is_quantized_storage, stored_inputs, weight_targets
@@ -268,7 +271,8 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     fused = [(m, whole_rows(m, world_size)) for m in cols]
     fused = [m.node.meta["val"].dtype.itemsize * rows * m.in_features for m, rows in fused if rows]
     return BlockBound(layer, forward + len(stats),
-                      len(roots) + len(stat_syncs) + bool(whole and not roots) + len(fused),
+                      _sync_rounds(syncs, layer) + len(stat_syncs) + bool(whole and not roots)
+                      + len(fused),
                       forward_bytes + sum(value_bytes(n) for n in stats)
                       + sum(value_bytes(n) for n in roots | grad_stats)
                       + sum(value_bytes(w) for w in whole) + sum(fused),
@@ -293,6 +297,24 @@ def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
             shared[0].append(m)
             shared[1][:] = [p for p in shared[1] if p in points]
     return {points[0]: members for members, points in groups}
+
+
+def _sync_rounds(syncs: dict, layer: str) -> int:
+    """The backward all-reduces the input syncs (``_input_syncs``) need. A sync waits on
+    another when its value is computed from the other's colwise matmuls (its gradient flows
+    back through them); syncs that wait on none of each other are ready together and share one
+    all-reduce of several tensors, as ``insert_collectives`` buckets them (joint attention's
+    image and context q / k / v inputs). The fewest all-reduces is then the longest chain of
+    waits (Mirsky's theorem: a partial order's fewest antichains)."""
+    if not syncs:
+        return 0
+    order = {n: i for i, n in enumerate(next(iter(syncs)).graph.nodes)}
+    height, made = {}, {}
+    for point in sorted(syncs, key=order.__getitem__):  # what a sync waits on comes first
+        made[point] = computed_from([m.node for m in syncs[point]], layer)
+        waits = [height[p] for p in height if point in made[p]]
+        height[point] = 1 + max(waits, default=0)
+    return max(height.values())
 
 
 def _undequantized(cap: Capture, found: list[Matmul]) -> list[str]:

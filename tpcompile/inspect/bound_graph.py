@@ -28,7 +28,7 @@ from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["Matmul", "find_matmuls", "grad_carriers", "reach_forward", "reduce_points",
+__all__ = ["Matmul", "computed_from", "find_matmuls", "grad_carriers", "reach_forward", "reduce_points",
            "value_bytes", "value_users", "whole_read"]
 
 aten = torch.ops.aten
@@ -370,6 +370,17 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
                for u in users):
             todo.extend(users)
     return reach
+
+
+def computed_from(nodes: list[fx.Node], layer: str) -> set[fx.Node]:
+    """The values of block ``layer`` computed from any of ``nodes`` (them included)."""
+    out, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in out and (n.op != "call_function" or _layer(n) == layer):
+            out.add(n)
+            todo.extend(n.users)
+    return out
 
 
 def grad_carriers(gm: fx.GraphModule, trainable: frozenset) -> set[fx.Node]:

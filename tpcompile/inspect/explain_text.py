@@ -114,7 +114,7 @@ def _checkpointing(regions: dict) -> list[str]:
 def _megatron(r) -> list[str]:
     lines = ["Megatron lower bound per repeated block, derived from the model (docs/explain.md): "
              "1 all-reduce forward per group of summed row-parallel matmuls, 1 backward per "
-             "group of column-parallel inputs whose gradients meet"]
+             "group of column-parallel inputs whose gradients meet (groups ready together: one)"]
     rows, tot = [], [0] * 6
     for m in r.megatron:
         vals = (m.bound_forward, m.bound_backward, m.bound_bytes, m.forward, m.backward, m.bytes)
