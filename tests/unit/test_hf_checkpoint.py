@@ -74,3 +74,24 @@ def test_an_index_naming_absent_shards_is_refused(saved, tmp_path):
     (tmp_path / INDEX).write_text((path / INDEX).read_text())  # the index without its files
     with pytest.raises(tpcompile.TPCompileError, match="shard files that are absent"):
         HFShardedSource(tmp_path)
+
+
+def test_a_slice_is_read_straight_into_a_shards_rows_or_refused(saved):
+    """``read_into`` fills a shard's narrowed rows in place (no staging copy) with exactly
+    the slice ``read`` returns; a shard of another dtype, a shape that is not the slice's, or
+    a layout whose rows are not contiguous is declined (False), and the loader copies."""
+    path, full = saved
+    source, name = HFShardedSource(path), "model.layers.0.mlp.down_proj.weight"  # 128 x 256
+    for dim, start, stop in [(None, 0, None), (0, 32, 96), (1, 64, 192)]:
+        want = full[name] if dim is None else full[name].narrow(dim, start, stop - start)
+        # a rank's local tensor with this piece one part of it along the cut dim
+        d = dim or 0
+        shard = torch.zeros(*[n + 8 * (k == d) for k, n in enumerate(want.shape)])
+        into = shard.narrow(d, 8, want.shape[d])
+        assert source.read_into(name, dim, start, stop, into)
+        assert torch.equal(into, want) and torch.equal(source.read(name, dim, start, stop), want)
+        assert not shard.narrow(d, 0, 8).any()  # nothing written outside the piece
+    assert not source.read_into(name, None, 0, None, torch.empty(128, 256, dtype=torch.float64))
+    assert not source.read_into(name, None, 0, None, torch.empty(64, 256))
+    assert not source.read_into(name, None, 0, None, torch.empty(256, 128).t())
+    assert not source.read_into(name, 0, 0, 64, torch.empty(64, 264).narrow(1, 0, 256))

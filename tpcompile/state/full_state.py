@@ -150,10 +150,12 @@ def load_full_state_dict(tp: TPModule, source, strict: bool = True, device="cpu"
 
 
 def _copy_slices(src, name: str, local: torch.Tensor, placement, tp: TPModule) -> None:
+    """This rank's pieces of ``name`` into ``local``: read straight into the shard where the
+    source can (a checkpoint directory, the shard in the stored dtype), else read and copied."""
     pieces = shard_pieces(tp.plan, placement, tp.rank)
-    if pieces is None:
-        local.copy_(src.read(name))
-        return
-    for piece in pieces:
-        piece.of_local(local, placement.dim).copy_(
-            src.read(name, placement.dim, piece.start, piece.stop))
+    reads = [(None, 0, None, local)] if pieces is None else [
+        (placement.dim, p.start, p.stop, p.of_local(local, placement.dim)) for p in pieces]
+    direct = getattr(src, "read_into", None)
+    for dim, start, stop, into in reads:
+        if direct is None or not direct(name, dim, start, stop, into):
+            into.copy_(src.read(name, dim, start, stop))

@@ -14,6 +14,7 @@ is memory-mapped, so the bytes a rank reads are the bytes it asked for, countabl
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -42,29 +43,68 @@ class _Header:
         table.pop("__metadata__", None)
         self.base, self.table = 8 + size, table
 
-    def tensor(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+    def _info(self, name: str) -> tuple[torch.dtype, list[int], int]:
         info = self.table[name]
         if info["dtype"] not in _DTYPES:
             raise TPCompileError(f"{self.path.name}: {name} has dtype {info['dtype']}, not readable")
-        dtype, shape = _DTYPES[info["dtype"]], list(info["shape"])
-        item = dtype.itemsize
-        begin = self.base + info["data_offsets"][0]
+        return _DTYPES[info["dtype"]], list(info["shape"]), self.base + info["data_offsets"][0]
+
+    def tensor(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        dtype, shape, _ = self._info(name)
+        if dim is not None:
+            shape[dim] = stop - start
+        out = torch.empty(shape, dtype=dtype)
+        assert self.read_into(name, dim, start, stop, out)  # fresh, contiguous, its dtype
+        return out
+
+    def read_into(self, name: str, dim: int | None, start: int, stop: int | None,
+                  out: torch.Tensor) -> bool:
+        """Read the slice straight into ``out`` (no staging copy) when it is a CPU tensor of
+        the stored dtype whose runs of the slice are each contiguous; False otherwise."""
+        dtype, shape, begin = self._info(name)
         if dim is None:
             dim, start, stop = 0, 0, shape[0] if shape else 1
-        inner = math.prod(shape[dim + 1:]) * item        # bytes of one index of dim
-        stride = shape[dim] * inner if shape else item   # bytes of one leading index
         runs = math.prod(shape[:dim])
-        out = bytearray((stop - start) * inner * runs)
-        width = (stop - start) * inner
+        want = shape[:dim] + [stop - start] + shape[dim + 1:] if shape else []
+        if list(out.shape) != want or out.dtype != dtype or out.device.type != "cpu":
+            return False
+        if out.numel() == 0:
+            return True
+        flat = _runs(out, runs)
+        if flat is None:
+            return False
+        inner = math.prod(shape[dim + 1:]) * dtype.itemsize  # bytes of one index of dim
+        stride = shape[dim] * inner if shape else dtype.itemsize  # of one leading index
+        width, step = (stop - start) * inner, flat.stride(0) * dtype.itemsize
         fd = os.open(self.path, os.O_RDONLY)
         try:
             for r in range(runs):
-                chunk = os.pread(fd, width, begin + r * stride + start * inner)
-                out[r * width:(r + 1) * width] = chunk
+                _pread_into(fd, flat.data_ptr() + r * step, width,
+                            begin + r * stride + start * inner)
         finally:
             os.close(fd)
-        local = shape[:dim] + [stop - start] + shape[dim + 1:] if shape else []
-        return torch.frombuffer(out, dtype=dtype).reshape(local) if out else torch.empty(local, dtype=dtype)
+        return True
+
+
+def _runs(t: torch.Tensor, runs: int) -> torch.Tensor | None:
+    """``t`` viewed as ``runs`` rows, each contiguous in memory (a contiguous tensor, or one
+    narrowed along a dim: the bytes each leading index of a slice fills); None when it is not
+    laid out so."""
+    try:
+        flat = t.view(runs, -1)
+    except RuntimeError:  # not viewable without a copy
+        return None
+    return flat if flat.shape[1] <= 1 or flat.stride(1) == 1 else None
+
+
+def _pread_into(fd: int, address: int, size: int, offset: int) -> None:
+    """Read ``size`` bytes of ``fd`` at ``offset`` into memory at ``address``."""
+    view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+    while size:
+        got = os.preadv(fd, [view[-size:]], offset)
+        if got <= 0:
+            raise TPCompileError(f"short read: {size} bytes missing at offset {offset}")
+        size, offset = size - got, offset + got
 
 
 class HFShardedSource:
@@ -95,6 +135,10 @@ class HFShardedSource:
 
     def read(self, name, dim=None, start=0, stop=None):
         return self._header(name).tensor(name, dim, start, stop)
+
+    def read_into(self, name, dim, start, stop, out: torch.Tensor) -> bool:
+        """The slice read straight into ``out``; False when it cannot be (then use ``read``)."""
+        return self._header(name).read_into(name, dim, start, stop, out)
 
     @property
     def opened(self) -> list[str]:
