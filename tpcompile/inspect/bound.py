@@ -255,8 +255,11 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     """Forward groups and statistics; backward activations and statistics' gradients. The
     whole weights read where features are cut add bytes, not an all-reduce: they are read
     after a colwise matmul, so their partial gradients ride in that matmul's input sync (an
-    all-reduce of their own only in a block with no colwise input to sync). A colwise weight
-    with whole rows (``whole_rows``) adds one all-reduce of those rows' gradient."""
+    all-reduce of their own only in a block with no colwise input to sync). So does the
+    gradient of a trainable KV projection kept whole (fewer heads than ranks) that attention
+    cut by query heads reads: partial on each rank, summed as its output's gradient or its
+    weight's, whichever is smaller. A colwise weight with whole rows (``whole_rows``) adds one
+    all-reduce of those rows' gradient."""
     forward, forward_bytes, partial = _forward(layer, mms, role)
     cols = [m for m in mms if role.get(m.node) == "colwise"]
     syncs = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial)
@@ -269,16 +272,23 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     stat_syncs = {r for r, group in syncs.items() if any(m.statistics for m in group)}
     whole = whole_read(layer, cols, mms, trainable)
     fused = [(m, whole_rows(m, world_size)) for m in cols]
-    fused = [m.node.meta["val"].dtype.itemsize * rows * m.in_features for m, rows in fused if rows]
+    fused = [_weight_bytes(m) * rows // m.out_features for m, rows in fused if rows]
+    kv = [min(value_bytes(m.node), _weight_bytes(m)) for m in mms if role.get(m.node) == "whole"
+          and m.heads is not None and m.heads < world_size and set(m.weights) & trainable]
     return BlockBound(layer, forward + len(stats),
-                      _sync_rounds(syncs, layer) + len(stat_syncs) + bool(whole and not roots)
-                      + len(fused),
+                      _sync_rounds(syncs, layer) + len(stat_syncs)
+                      + bool((whole or kv) and not roots) + len(fused),
                       forward_bytes + sum(value_bytes(n) for n in stats)
                       + sum(value_bytes(n) for n in roots | grad_stats)
-                      + sum(value_bytes(w) for w in whole) + sum(fused),
+                      + sum(value_bytes(w) for w in whole) + sum(fused) + sum(kv),
                       tuple(sorted({w.target for w in whole})),
                       {"forward": tuple(sorted(n.name for n in partial | stats)),
                        "backward": tuple(sorted(n.name for n in roots | grad_stats))})
+
+
+def _weight_bytes(m: Matmul) -> int:
+    """The bytes of ``m``'s weight gradient (in the dtype it computes in)."""
+    return m.node.meta["val"].dtype.itemsize * m.in_features * m.out_features
 
 
 def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
