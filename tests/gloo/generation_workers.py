@@ -146,6 +146,21 @@ def hf_generate(rank: int, world_size: int, names: list, train: bool = False,
     return out
 
 
+def deep_generate(rank: int, world_size: int) -> dict:
+    """A 6-layer Llama's greedy tokens against the unsharded model's, with the notes of its
+    generation captures (a capture of the whole model notes why its blocks were not reused)."""
+    model = hf_causal_lm("llama", layers=6).eval()
+    ids, mask = hf_prompt()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+    args = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    tokens = tp.generate(ids, **args).tolist()
+    inner = next(iter(tp.generation_modules.values()))
+    return {"equal": tokens == model.generate(ids, **args).tolist(),
+            "notes": [n for n in inner.plan.notes if "captured whole" in n],
+            "collectives": [count_collectives(gm)["forward"]
+                            for gm in [inner.graph_module] + [g for _, g in inner.signatures]]}
+
+
 # (prompt, new tokens): the first five fit the 64-position cache bucket, the sixth needs the
 # 128 one, the last is back in the first
 LENGTHS = [(2, 5), (6, 3), (7, 9), (9, 2), (1, 4), (60, 40), (5, 4)]

@@ -85,6 +85,15 @@ def test_fewer_kv_heads_than_ranks_cache_only_the_heads_read(name):
     _check(4, per_rank, [name], sampled=False)
 
 
+def test_a_deep_models_generation_captures_reuse_its_blocks():
+    """6 layers: the prefill and decode captures export three blocks and stamp the rest, each
+    with its own KV cache (no note of a whole capture); tokens are the unsharded model's and
+    each graph pays one all-reduce per attention and per MLP block."""
+    for c in run_on_ranks(f"{WORKERS}:deep_generate", 2):
+        assert c["equal"] and c["notes"] == []
+        assert c["collectives"] == [{"all_reduce": 12}] * 2
+
+
 def test_generate_after_training_uses_the_updated_shards(fast):
     """3 SGD steps on the module and on the unsharded model, then greedy generation."""
     for c in (r["train"] for r in fast):

@@ -176,3 +176,30 @@ class Branching(nn.Module):
 
     def forward(self, x):
         return self.proj(x).relu() if self.layer_idx == 5 else self.proj(x)
+
+
+def test_the_static_cache_generate_captures_is_stamped_with_each_blocks_cache():
+    """The wrapper ``generate`` captures (runtime/static_cache.py) keeps layer i's KV cache on
+    itself as ``key_cache_{i}`` (its ``per_block_attributes``) and every layer reads one
+    position buffer: a 6-layer Llama's prefill is exported three blocks deep and stamped, each
+    block with its own cache, into the graph and plan a whole export gives."""
+    transformers = pytest.importorskip("transformers")
+    from tpcompile.runtime.static_cache import StaticCacheLM
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=6, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    wrapper = StaticCacheLM(transformers.LlamaForCausalLM(config).eval(), 2, 64)
+    meta = dict(device="meta", dtype=torch.long)
+    example = (torch.empty(2, 3, **meta), torch.empty(2, 64, **meta), torch.empty(2, 3, **meta),
+               torch.empty(3, **meta))
+    whole = pipeline.plan(wrapper, example, 2, reuse_blocks=False)
+    reused = pipeline.plan(wrapper, example, 2, reuse_blocks=True)
+    assert reused.cap.reused == ("model.model.layers", 6)
+    assert reused.cap.gm.code == whole.cap.gm.code and reused.plan.to_json() == whole.plan.to_json()
+    caches = {n.target: [u.meta["nn_module_stack"] for u in n.users]
+              for n in reused.cap.gm.graph.find_nodes(op="get_attr") if "_cache_" in n.target}
+    assert len(caches) == 12 and all(
+        any(f"layers.{target.rpartition('_')[2]}" in path for path, _ in stack.values())
+        for target, users in caches.items() for stack in users)

@@ -24,7 +24,7 @@ import copy
 import re
 import types
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
@@ -36,9 +36,12 @@ from tpcompile.core.checkpoint_marks import REGION
 from tpcompile.core.subclass_weights import subclass_part, subclass_parts
 from tpcompile.errors import TPCompileError
 
-__all__ = ["capture_reusing_blocks", "MIN_BLOCKS"]
+__all__ = ["capture_reusing_blocks", "MIN_BLOCKS", "PER_BLOCK"]
 
 MIN_BLOCKS = 4  # with fewer, three exported blocks save nothing
+# a root module's attribute naming its per-block attributes: patterns formatted with a block's
+# index (the static KV cache generate captures: "key_cache_{}"), repeated with the blocks
+PER_BLOCK = "per_block_attributes"
 KEEP = 3        # groups exported: the first, a middle one, and the template (group 2)
 
 
@@ -99,12 +102,21 @@ def _relabel(meta: dict, old: str, new: str) -> dict:
     return meta
 
 
+@dataclass(frozen=True)
+class _Indexed:
+    """A root attribute that belongs to one block, named by the block's index (``pattern``
+    formatted with it): a static KV cache's ``key_cache_3`` is block 3's."""
+
+    pattern: str
+
+
 class _Stamper:
     """Builds the graph of ``n`` groups of ``period`` blocks from the capture ``cap`` of the
-    first :data:`KEEP` groups."""
+    first :data:`KEEP` groups; ``indexed``: the root's per-block attribute patterns."""
 
-    def __init__(self, cap: Capture, path: str, n: int, period: int):
+    def __init__(self, cap: Capture, path: str, n: int, period: int, indexed: tuple = ()):
         self.cap, self.path, self.n, self.period = cap, path, n, period
+        self.indexed = tuple(_Indexed(p) for p in indexed)
         self.paths = [f"{path}.{i}" for i in range(KEEP * period)]
         compute = [x for x in cap.gm.graph.nodes if x.op not in ("get_attr", "placeholder", "output")]
         self.runs = {g: [] for g in range(KEEP)}  # group -> its nodes, in graph order
@@ -117,13 +129,29 @@ class _Stamper:
             base = _number(x.name)[0]
             self.per_group[base] = self.per_group.get(base, 0) + 1
 
-    def _within(self, target: str, group: int) -> tuple[int, str] | None:
-        """(block in the group, the rest of the name) of a name under ``group``'s blocks."""
+    def _within(self, target: str, group: int) -> tuple[int, str | _Indexed] | None:
+        """(block in the group, the rest of the name) of a name under ``group``'s blocks, or
+        of a per-block root attribute of one of them (the rest: its pattern)."""
         for r in range(self.period):
             prefix = f"{self.path}.{group * self.period + r}."
             if target.startswith(prefix):
                 return r, target[len(prefix):]
+            for attr in self.indexed:
+                if target == attr.pattern.format(group * self.period + r):
+                    return r, attr
         return None
+
+    def _target(self, group: int, r: int, rest: str | _Indexed) -> str:
+        """The name of ``rest`` (as :meth:`_within` gives it) in block ``r`` of ``group``."""
+        if isinstance(rest, _Indexed):
+            return rest.pattern.format(group * self.period + r)
+        return f"{self._block(group, r)}.{rest}"
+
+    def _stamped(self, target: str) -> bool:
+        """A per-block root attribute of a block past the exported ones (the root holds one
+        for every block): the stamp makes its ``get_attr`` with the block's copy."""
+        return any(target == attr.pattern.format(k) for attr in self.indexed
+                   for k in range(KEEP * self.period, self.n * self.period))
 
     def _block(self, group: int, r: int) -> str:
         return f"{self.path}.{group * self.period + r}"
@@ -147,6 +175,10 @@ class _Stamper:
                     return f"{x.name} reads a block other than the one before it"
         if self._key(1) != self._key(2):
             return "the exported blocks trace to different graphs"
+        read = next((x for x in self.cap.gm.graph.find_nodes(op="get_attr")
+                     if self._stamped(x.target) and x.users), None)
+        if read is not None:
+            return f"{read.target}, a later block's own, is read by {next(iter(read.users))}"
         return None
 
     def _key(self, i: int):
@@ -193,6 +225,8 @@ class _Stamper:
         after = False  # past the blocks: export numbered these after n groups, not 3
 
         for x in self.cap.gm.graph.nodes:
+            if x.op == "get_attr" and self._stamped(x.target):
+                continue  # made with its block's copy
             if x.op == "get_attr" and self._within(x.target, 2):
                 if x in segment_ending:  # the segment, once per group from 2 on
                     self._stamp_attrs(g, env, segment_ending[x])
@@ -214,8 +248,7 @@ class _Stamper:
     def _stamp_attrs(self, g: fx.Graph, env: dict, segment: list[fx.Node]) -> None:
         for j in range(2, self.n):
             for a in segment:
-                r, rest = self._within(a.target, 2)
-                node = g.get_attr(f"{self._block(j, r)}.{rest}")
+                node = g.get_attr(self._target(j, *self._within(a.target, 2)))
                 node.meta = dict(a.meta)
                 env[(j, a)] = node
 
@@ -297,7 +330,8 @@ def capture_reusing_blocks(model: nn.Module, example_inputs, example_kwargs=None
     except TPCompileError as e:  # a block read by index past the kept ones, or the model's own
         why = f"the first {KEEP * period} blocks alone did not capture: {str(e).splitlines()[0]}"
         return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)
-    stamper = _Stamper(short, path, len(blocks) // period, period)
+    stamper = _Stamper(short, path, len(blocks) // period, period,
+                       getattr(model, PER_BLOCK, ()))
     why = stamper.unusable() or _checkpointed(short.gm)
     if why is not None:
         return _whole(path, why, model, example_inputs, example_kwargs, **kwargs)

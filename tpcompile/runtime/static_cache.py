@@ -13,6 +13,7 @@ import inspect
 import os
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 __all__ = ["StaticCacheLM", "sdpa_gqa"]
@@ -27,12 +28,16 @@ class StaticCacheLM(nn.Module):
     those, and a prefill's LM head over every prompt position would cost, on a
     Llama-3.2-1B-shaped model, a third of its work. Otherwise every position's."""
 
+    # layer i's cache is kept here, not in block i: tpcompile.core.stamp repeats it with the
+    # block when it exports three blocks and stamps the rest
+    per_block_attributes = ("key_cache_{}", "value_cache_{}")
+
     def __init__(self, model: nn.Module, batch: int, max_len: int, gqa_in_sdpa: bool = False):
         super().__init__()
         self.gqa_in_sdpa = gqa_in_sdpa
         supports = getattr(model, "_supports_logits_to_keep", None)
         self.last_logits = {"logits_to_keep": 1} if callable(supports) and supports() else {}
-        from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+        from transformers.cache_utils import StaticCache, StaticLayer
         from transformers.integrations.executorch import get_head_shapes
 
         self.model = model
@@ -42,30 +47,50 @@ class StaticCacheLM(nn.Module):
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         config = model.config.get_text_config()
         self.cache = StaticCache(max_cache_len=max_len, config=config)
-        for i, layer in enumerate(self.cache.layers):
-            # its roll-over is data-dependent control flow export cannot capture; up to the
-            # window (generate checks the length) a full static layer computes the same
-            if isinstance(layer, StaticSlidingWindowLayer):
-                self.cache.layers[i] = StaticLayer(max_len)
+        # a sliding layer's roll-over is data-dependent control flow export cannot capture; up
+        # to the window (generate checks the length) a full static layer computes the same
+        step = _step_layer()
+        self.cache.layers = [step(max_len) if isinstance(layer, StaticLayer) else layer
+                             for layer in self.cache.layers]
         heads, head_dim = get_head_shapes(config)
         weight = next(model.parameters())
         self.cache.early_initialization(batch, heads, head_dim, weight.dtype, weight.device)
         for i, layer in enumerate(self.cache.layers):
             self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
             self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
-            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
+        self.register_buffer("cumulative_length", self.cache.layers[0].cumulative_length,
+                             persistent=False)
 
     def forward(self, input_ids, attention_mask, position_ids, cache_position):
+        self.cumulative_length.copy_(cache_position[0])  # where this call's tokens go
         for i, layer in enumerate(self.cache.layers):
             # the buffers themselves, not the tensors the cache object captured at init:
             # export traces module buffers, and the rank's shards replace them
             layer.keys, layer.values = getattr(self, f"key_cache_{i}"), getattr(self, f"value_cache_{i}")
-            layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
-            layer.cumulative_length.copy_(cache_position[0])
+            layer.cumulative_length = self.cumulative_length
         with sdpa_gqa(self.gqa_in_sdpa):
             return self.model(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids, use_cache=True,
                               **{self.cache_kwarg: self.cache}, **self.last_logits).logits
+
+
+def _step_layer():
+    """transformers' ``StaticLayer`` writing each call's tokens at the positions from
+    ``cumulative_length`` (the wrapper's one buffer, set from the call's ``cache_position``)
+    without advancing it. The stock layer adds the tokens written to a tensor of its own, so
+    each block read a value of its own from outside the block and a deep model's blocks could
+    not be exported three and repeated (``tpcompile.core.stamp``); here every block reads the
+    same one, and its own cache (``per_block_attributes``)."""
+    from transformers.cache_utils import StaticLayer
+
+    class StepLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+            self.keys.index_copy_(2, positions, key_states)
+            self.values.index_copy_(2, positions, value_states)
+            return self.keys, self.values
+
+    return StepLayer
 
 
 @contextmanager
