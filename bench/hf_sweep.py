@@ -4,6 +4,7 @@
     python -m bench.hf_sweep --only LlamaForCausalLM GPT2LMHeadModel --numerics
     python -m bench.hf_sweep --representative --numerics   # the CI subset (REPRESENTATIVE)
     python -m bench.hf_sweep --rejudge --jobs 2   # the same plans against a changed bound
+    python -m bench.hf_sweep --rejudge --only Gemma2ForCausalLM   # those families' rows only
 
 The families and their tiny configs: bench/hf_configs.py. Each family runs in its own
 subprocess with a timeout, so a hang or a crash is a row, not the end of the sweep. In it: the
@@ -159,17 +160,19 @@ PLAN_FIELDS = ("collectives", "param_bytes_max_rank", "param_bytes_total", "gath
                "kept_replicated", "per_layer", "outside_layers")
 
 
-def _rejudge(jobs: int) -> None:
-    """results/hf_sweep.json's families planned and judged again; each row keeps the numerics
-    of the run that wrote the file where every field they depend on (``PLAN_FIELDS``) is
-    unchanged, and loses them otherwise."""
+def _rejudge(jobs: int, only: list[str] | None = None) -> None:
+    """results/hf_sweep.json's families (``only`` these) planned and judged again; each row
+    keeps the numerics of the run that wrote the file where every field they depend on
+    (``PLAN_FIELDS``) is unchanged, and loses them otherwise."""
     from concurrent.futures import ThreadPoolExecutor
 
     data = json.loads((RESULTS / "hf_sweep.json").read_text())
     old = {r["family"]: r for r in data["rows"]}
-    rows = list(ThreadPoolExecutor(max_workers=jobs).map(
-        lambda name: run_one_subprocess(name, False) if name not in SKIP else old[name], old))
-    for row in rows:
+    again = [name for name in old if only is None or name in only]
+    fresh = dict(zip(again, ThreadPoolExecutor(max_workers=jobs).map(
+        lambda name: run_one_subprocess(name, False) if name not in SKIP else old[name], again)))
+    rows = [fresh.get(name, row) for name, row in old.items()]
+    for row in (fresh[name] for name in again):
         was = old[row["family"]]
         row["found_by"] = was.get("found_by", "?")
         if "numerics" in was and all(row.get(k) == was.get(k) for k in PLAN_FIELDS):
@@ -215,7 +218,7 @@ def main(argv=None) -> None:
     found = families()
     names = args.only or (list(REPRESENTATIVE) if args.representative else list(found))
     if args.rejudge:
-        return _rejudge(args.jobs)
+        return _rejudge(args.jobs, args.only)
     rows = []
     from concurrent.futures import ThreadPoolExecutor
 

@@ -142,3 +142,19 @@ def test_explain_reports_the_derived_bound(name):
     rows = {m.layer: (m.bound_forward, m.bound_backward, m.bound_bytes) for m in report.megatron}
     assert rows == {layer: (b.forward, b.backward, b.bytes) for layer, b in bound.blocks.items()}
     assert bound.outside is None
+
+
+
+def test_syncs_that_wait_through_the_models_own_code_are_not_bucketed():
+    """Backward syncs share one all-reduce only when none waits on another's matmuls. Dory
+    (transformers) applies its layer twice, the second pass reading the first's output through
+    the model's own code, outside the block: each pass's syncs wait on the one before, 8 per
+    layer as the plan pays; a walk that stopped at the block's edge had found 6 and called the
+    plan above the bound."""
+    pytest.importorskip("transformers")
+    from bench.hf_configs import build, example_ids
+    from tpcompile.inspect.explain import explain
+
+    model, ids = build("DoryForCausalLM"), example_ids()
+    assert _counts(megatron_bound(captured(model, (ids,)), 2)) == {(8, 8)}
+    assert "-> at the bound" in str(explain(model, (ids,), world_size=2))

@@ -276,7 +276,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     kv = [min(value_bytes(m.node), _weight_bytes(m)) for m in mms if role.get(m.node) == "whole"
           and m.heads is not None and m.heads < world_size and set(m.weights) & trainable]
     return BlockBound(layer, forward + len(stats),
-                      _sync_rounds(syncs, layer) + len(stat_syncs)
+                      _sync_rounds(syncs) + len(stat_syncs)
                       + bool((whole or kv) and not roots) + len(fused),
                       forward_bytes + sum(value_bytes(n) for n in stats)
                       + sum(value_bytes(n) for n in roots | grad_stats)
@@ -309,7 +309,7 @@ def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
     return {points[0]: members for members, points in groups}
 
 
-def _sync_rounds(syncs: dict, layer: str) -> int:
+def _sync_rounds(syncs: dict) -> int:
     """The backward all-reduces the input syncs (``_input_syncs``) need. A sync waits on
     another when its value is computed from the other's colwise matmuls (its gradient flows
     back through them); syncs that wait on none of each other are ready together and share one
@@ -319,9 +319,10 @@ def _sync_rounds(syncs: dict, layer: str) -> int:
     if not syncs:
         return 0
     order = {n: i for i, n in enumerate(next(iter(syncs)).graph.nodes)}
+    last = max(order[p] for p in syncs)
     height, made = {}, {}
     for point in sorted(syncs, key=order.__getitem__):  # what a sync waits on comes first
-        made[point] = computed_from([m.node for m in syncs[point]], layer)
+        made[point] = computed_from([m.node for m in syncs[point]], order, last)
         waits = [height[p] for p in height if point in made[p]]
         height[point] = 1 + max(waits, default=0)
     return max(height.values())

@@ -372,12 +372,14 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
     return reach
 
 
-def computed_from(nodes: list[fx.Node], layer: str) -> set[fx.Node]:
-    """The values of block ``layer`` computed from any of ``nodes`` (them included)."""
+def computed_from(nodes: list[fx.Node], order: dict, until: int) -> set[fx.Node]:
+    """The values computed from any of ``nodes`` (them included), anywhere in the graph (a
+    block applied twice reads its first output through the model's own code), up to position
+    ``until`` of ``order`` (the graph's topological order: nothing later leads back)."""
     out, todo = set(), list(nodes)
     while todo:
         n = todo.pop()
-        if n not in out and (n.op != "call_function" or _layer(n) == layer):
+        if n not in out and order[n] <= until:
             out.add(n)
             todo.extend(n.users)
     return out
