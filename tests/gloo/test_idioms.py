@@ -25,6 +25,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # GQA by expand + reshape and by repeat_interleave, 4 kv heads
     "gqa_expand_reshape": (2, 4),
     "gqa_repeat_interleave": (2, 4),
+    # x-transformers: kv heads tiled (query head h reads kv head h % 4), wq cut per tile
+    "gqa_repeat_tiled": (2, 4),
     "rope_gptj_interleaved": (2, 4),   # x[..., 0::2] and stack(..., -1).flatten(-2)
     "rope_pair_stack": (2, 4),         # reshape(..., -1, 2) + stack + flatten(3)
     "einsum_qkv_3d": (2, 4),           # einsum("bld,dhk->blhk") on 3-D Parameters

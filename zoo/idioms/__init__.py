@@ -36,7 +36,8 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
                                     IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
-                                  PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
+                                  PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
+                                  SelectiveScan)
 from zoo.idioms.blocks import ParallelResidualFirst
 from zoo.idioms.diffusion import DiT, dit_inputs
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
@@ -174,6 +175,9 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("gqa_repeat_interleave", lambda: LM(attn=partial(RepeatInterleaveKV, n_kv_heads=4)),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
+    # each rank's query heads are those of its kv heads in every tile: wq cut in n_rep blocks
+    ("gqa_repeat_tiled", lambda: LM(attn=partial(RepeatTiledKV, n_kv_heads=4)),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("softmax_masked_fill", lambda: LM(attn=MaskedSoftmax), BASELINE),
     ("bmm_batch_heads_merged", lambda: LM(attn=BatchHeadsBmm), BASELINE),
     # the norms' weights are cut with the features they scale; per norm one forward all-reduce
@@ -300,6 +304,7 @@ STYLES = {
     "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",
     "gqa_expand_reshape": "GQA 8 q / 4 kv heads, HF `repeat_kv` by expand + reshape",
     "gqa_repeat_interleave": "GQA 8 q / 4 kv heads by `repeat_interleave` on the head dim",
+    "gqa_repeat_tiled": "x-transformers GQA 8 q / 4 kv heads, `repeat(k, 'b kvh n d -> b (r kvh) n d')`: kv heads tiled",
     "softmax_masked_fill": "nanoGPT explicit attention: `masked_fill` with a tril buffer, softmax, `@ v`",
     "qk_norm_whole": "OLMo 2: RMSNorm over the whole q and k projections, before the head split",
     "bmm_batch_heads_merged": "BART / XGLM: batch and heads merged, reshape(B * H, T, d) and bmm",

@@ -34,6 +34,18 @@ class RepeatInterleaveKV(Attention):
         return super().attend(q, k, v)
 
 
+class RepeatTiledKV(Attention):
+    """x-transformers: ``repeat(k, 'b kvh n d -> b (r kvh) n d')``, the kv heads tiled, so query
+    head ``h`` reads kv head ``h % n_kv`` (not ``h // n_rep`` as Hugging Face's repeat_kv)."""
+
+    def attend(self, q, k, v, *extra):
+        B, n_kv, T, hd = k.shape
+        n_rep = self.n_heads // n_kv
+        k = k[:, None].expand(B, n_rep, n_kv, T, hd).reshape(B, n_rep * n_kv, T, hd)
+        v = v[:, None].expand(B, n_rep, n_kv, T, hd).reshape(B, n_rep * n_kv, T, hd)
+        return super().attend(q, k, v)
+
+
 class MaskedSoftmax(Attention):
     """nanoGPT: softmax(q k^T / sqrt(d)) with a tril buffer and masked_fill, then @ v."""
 
