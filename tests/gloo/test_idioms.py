@@ -53,6 +53,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "torchtitan_llama3": (2, 4),
     "mqa": (2, 4),                     # 1 kv head, repeat_kv by expand + reshape
     "mqa_sdpa_broadcast": (2, 4),      # 1 kv head broadcast inside SDPA
+    # x-transformers: the one kv head squeezed, einsum scores: q cut by heads, k / v whole
+    "mqa_einsum_squeezed": (2, 4),
     "mlp_relu_squared": (2, 4),        # torch.square: ruled by torch's pointwise tag
     "qk_norm_whole": (2, 4),           # OLMo 2: a norm's statistic over the heads, all-reduced
     # depthwise conv1d on channel shards; x_proj's partial (dt, B, C) all-reduced once, not per

@@ -37,7 +37,7 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
-                                  SelectiveScan)
+                                  SelectiveScan, SqueezedMQA)
 from zoo.idioms.blocks import ParallelResidualFirst
 from zoo.idioms.diffusion import DiT, dit_inputs
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
@@ -171,6 +171,9 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wq", "attn.wk", "attn.wv"), row=_in_layers("attn.wo"))),
     ("mqa", lambda: LM(attn=partial(RepeatKV, n_kv_heads=1)),  # HF configs with 1 KV head
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
+    # the kv head's head_dim is not cut (it would make the scores a partial sum): kept whole
+    ("mqa_einsum_squeezed", lambda: LM(attn=partial(SqueezedMQA, n_kv_heads=1)),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
     ("gqa_expand_reshape", lambda: LM(attn=partial(RepeatKV, n_kv_heads=4)),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("gqa_repeat_interleave", lambda: LM(attn=partial(RepeatInterleaveKV, n_kv_heads=4)),
@@ -302,6 +305,7 @@ STYLES = {
     "fused_qkv_mqa_indexed": "Falcon-7B: `qkv.view(B, T, H + 2, D)`, k / v picked by list indices `qkv[..., [-2], :]`",
     "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
     "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",
+    "mqa_einsum_squeezed": "x-transformers multi-query: kv head squeezed to `(B, T, d)`, `einsum(\"b h i d, b j d -> b h i j\")`",
     "gqa_expand_reshape": "GQA 8 q / 4 kv heads, HF `repeat_kv` by expand + reshape",
     "gqa_repeat_interleave": "GQA 8 q / 4 kv heads by `repeat_interleave` on the head dim",
     "gqa_repeat_tiled": "x-transformers GQA 8 q / 4 kv heads, `repeat(k, 'b kvh n d -> b (r kvh) n d')`: kv heads tiled",

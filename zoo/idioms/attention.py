@@ -46,6 +46,19 @@ class RepeatTiledKV(Attention):
         return super().attend(q, k, v)
 
 
+class SqueezedMQA(Attention):
+    """x-transformers multi-query: the one kv head squeezed (``rearrange(k, 'b 1 n d -> b n
+    d')``), scores by ``einsum('b h i d, b j d -> b h i j')``, a causal ``masked_fill``."""
+
+    def attend(self, q, k, v, *extra):
+        B, _, T, hd = k.shape
+        k, v = k.reshape(B, T, hd), v.reshape(B, T, hd)
+        sim = torch.einsum("b h i d, b j d -> b h i j", q, k) * hd ** -0.5
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        return torch.einsum("b h i j, b j d -> b h i d", attn, v)
+
+
 class MaskedSoftmax(Attention):
     """nanoGPT: softmax(q k^T / sqrt(d)) with a tril buffer and masked_fill, then @ v."""
 
