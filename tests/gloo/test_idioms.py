@@ -29,6 +29,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "gqa_repeat_tiled": (2, 4),
     "rope_gptj_interleaved": (2, 4),   # x[..., 0::2] and stack(..., -1).flatten(-2)
     "rope_pair_stack": (2, 4),         # reshape(..., -1, 2) + stack + flatten(3)
+    # x-transformers: RoPE through unbind, kv heads whole at 4 ranks (synced with the input)
+    "rope_unbound_pairs_gqa": (2, 4),
     "einsum_qkv_3d": (2, 4),           # einsum("bld,dhk->blhk") on 3-D Parameters
     "swiglu_raw_params": (2, 4),       # x @ w and einsum("btd,dh->bth") on raw Parameters
     "swiglu_fused_gate_up": (2, 4),    # one gate_up Linear chunked in two (crashed a pass before)

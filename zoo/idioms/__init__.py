@@ -31,7 +31,7 @@ from torch import nn
 from zoo.idioms.skeleton import Attention, D, HEADS, HEAD_DIM, LAYERS, LM, SwiGLU, VOCAB
 from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, LatentAttention, PairStackRoPE,
                                   PartialRoPE, RotateHalfRoPE, T5RelativeBias,
-                                  TorchtitanAttention)
+                                  TorchtitanAttention, UnboundPairsGQA)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
                                     IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
@@ -132,6 +132,9 @@ _REGISTRY = [
     ("rope_gptj_interleaved", lambda: LM(attn=InterleavedRoPE), BASELINE),
     ("rope_neox_partial", lambda: LM(attn=PartialRoPE), BASELINE),
     ("torchtitan_llama3", lambda: LM(attn=TorchtitanAttention),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
+    # at 4 ranks wk / wv whole: their partial gradients ride in the input's all-reduce
+    ("rope_unbound_pairs_gqa", lambda: LM(attn=UnboundPairsGQA),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
     ("rope_pair_stack", lambda: LM(attn=PairStackRoPE), BASELINE),
     # q and the low-rank kv cut by heads; wkv_a (the latent and the one rotated k head) whole,
@@ -292,6 +295,7 @@ STYLES = {
     "rope_gptj_interleaved": "GPT-J RoPE on pairs `x[..., 0::2]`, `x[..., 1::2]`, `stack(..., -1).flatten(-2)`",
     "rope_neox_partial": "GPT-NeoX partial rotary: `cat(rotated q[..., :rd], q[..., rd:])`",
     "torchtitan_llama3": "torchtitan Llama 3: `view_as_complex` RoPE, `view(bs, T, -1, hd)`, SDPA `enable_gqa`, 8 q / 2 kv heads",
+    "rope_unbound_pairs_gqa": "x-transformers RoPE: pairs by `reshape(..., -1, 2).unbind(-1)`, `stack((-x2, x1), -1)`, 8 q / 2 kv heads tiled by `expand` + `reshape`",
     "rope_pair_stack": "RoPE by `reshape(..., -1, 2)`, `stack([...], -1).flatten(3)`",
     "mla_latent_rope_cat": "DeepSeek-V3 MLA (torchtitan): `cat([k_nope, k_pe.expand(-1, -1, H, -1)], -1)` of per-head and one shared rotated head, low-rank `wkv_a` -> `RMSNorm` -> `wkv_b`",
     "alibi": "BLOOM / MPT ALiBi: per-head distance biases added to explicit scores",
