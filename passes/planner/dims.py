@@ -17,7 +17,7 @@ from torch import fx
 from tpcompile.core.placement import Demand, Layout, Misaligned
 
 __all__ = ["val", "shape", "hinted_shape", "size_expr", "example_size", "view_groups", "split_layout", "merge_layout", "sub_layout",
-           "chunk_layout", "tile_layout", "untile_layout", "norm_dim"]
+           "chunk_layout", "tile_layout", "untile_layout", "norm_dim", "agreeing_cut"]
 
 
 def val(arg):
@@ -200,3 +200,30 @@ def sub_layout(layout: Layout, start: int, stop: int) -> Layout:
         raise Misaligned(Demand(layout.root, lo, hi, layout.scale * layout.rep,
                                 reason=f"chunk at {start} cuts repeated groups of {layout}"))
     return replace(layout, size=stop - start, offset=layout.offset + start // layout.rep * layout.scale)
+
+
+def agreeing_cut(a: Layout, b: Layout) -> list[Demand]:
+    """Demands on the plainer root that make two layouts of one dim (a query's heads and the
+    key heads they read) hold the same indices on every rank; [] where none would.
+
+    Grouped-query heads repeated in place (``rep``: Llama's expand of each kv head) need the
+    plain root cut in whole groups. Repeated as tiles (``tiles``: x-transformers' ``repeat(k,
+    'b kvh n d -> b (r kvh) n d')``, query head ``h`` reading kv head ``h % kvh``) they need it
+    cut in ``tiles`` blocks, each split like one tile: the rank's kv heads' queries in each."""
+    if a.size != b.size:
+        return []
+    if a.rep != b.rep:
+        plain, grouped = (a, b) if a.rep < b.rep else (b, a)
+        lo, hi = plain.covered()
+        return [Demand(plain.root, lo, hi, plain.scale * grouped.rep // plain.rep,
+                       reason=f"{plain.root} must be cut in whole groups of {grouped.root}")]
+    plain, tiled = (a, b) if a.tiles < b.tiles else (b, a)
+    lo, hi = plain.covered()
+    if (plain.tiles != 1 or tiled.tiles <= 1 or plain.rep != 1 or plain.copies != 1 or plain.cover
+            or (hi - lo) % (tiled.tiles * plain.scale)):
+        return []
+    width = (hi - lo) // tiled.tiles
+    return [Demand(plain.root, lo + t * width, lo + (t + 1) * width, plain.scale,
+                   reason=f"{plain.root} must be cut like each of the {tiled.tiles} tiles of "
+                          f"{tiled.root} its heads read")
+            for t in range(tiled.tiles)]

@@ -81,8 +81,11 @@ def whole_roots(gm: fx.GraphModule, state: Propagation) -> frozenset[str]:
 
 
 def _root(state: Propagation, node: fx.Node) -> str | None:
-    p = state.placements.get(node)
-    return p.layout.root if isinstance(p, Shard) else None
+    """The root ``node``'s output is cut from; a multi-output op's (``unbind`` of a head's
+    pairs in x-transformers' RoPE) when each of its tensors is cut from that one root."""
+    cuts = [p for p in each(state.placements.get(node)) if p is not None]
+    roots = {p.layout.root for p in cuts if isinstance(p, Shard)}
+    return roots.pop() if len(roots) == 1 and all(isinstance(p, Shard) for p in cuts) else None
 
 
 def grad_syncs(gm, state: Propagation, needs_grad: set,

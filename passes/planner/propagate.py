@@ -24,7 +24,7 @@ from torch import fx
 
 from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replicate, RootSpec, Shard, Specs
 from tpcompile.core.plan import PlanOptions
-from tpcompile.passes.planner.dims import shape, sub_layout, val
+from tpcompile.passes.planner.dims import agreeing_cut, shape, sub_layout, val
 from tpcompile.passes.planner.experts.placement import choose_column, grouped_mode, place_experts
 from tpcompile.passes.planner.quantized import dequantized_weight, stored_behind
 from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
@@ -193,14 +193,9 @@ class OpView:
             if self.specs.contains(target, layout):
                 target = layout  # narrow the wider operands to the more specific one
                 continue
-            if target.rep != layout.rep and target.size == layout.size:
-                # grouped-query heads: cut the ungrouped root in whole groups, then they agree
-                plain, grouped = (target, layout) if target.rep < layout.rep else (layout, target)
-                lo, hi = plain.covered()
-                demand = Demand(plain.root, lo, hi, plain.scale * grouped.rep // plain.rep,
-                                reason=f"{plain.root} must be cut in whole groups of {grouped.root}")
-                if demand not in self._demands:
-                    raise Misaligned(demand)
+            demands = [d for d in agreeing_cut(target, layout) if d not in self._demands]
+            if demands:
+                raise Misaligned(*demands)
         return target
 
     def maybe_column_parallel(self, operands, out_labels, assume_replicated=()):

@@ -25,8 +25,12 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # GQA by expand + reshape and by repeat_interleave, 4 kv heads
     "gqa_expand_reshape": (2, 4),
     "gqa_repeat_interleave": (2, 4),
+    # x-transformers: kv heads tiled (query head h reads kv head h % 4), wq cut per tile
+    "gqa_repeat_tiled": (2, 4),
     "rope_gptj_interleaved": (2, 4),   # x[..., 0::2] and stack(..., -1).flatten(-2)
     "rope_pair_stack": (2, 4),         # reshape(..., -1, 2) + stack + flatten(3)
+    # x-transformers: RoPE through unbind, kv heads whole at 4 ranks (synced with the input)
+    "rope_unbound_pairs_gqa": (2, 4),
     "einsum_qkv_3d": (2, 4),           # einsum("bld,dhk->blhk") on 3-D Parameters
     "swiglu_raw_params": (2, 4),       # x @ w and einsum("btd,dh->bth") on raw Parameters
     "swiglu_fused_gate_up": (2, 4),    # one gate_up Linear chunked in two (crashed a pass before)
@@ -51,6 +55,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "torchtitan_llama3": (2, 4),
     "mqa": (2, 4),                     # 1 kv head, repeat_kv by expand + reshape
     "mqa_sdpa_broadcast": (2, 4),      # 1 kv head broadcast inside SDPA
+    # x-transformers: the one kv head squeezed, einsum scores: q cut by heads, k / v whole
+    "mqa_einsum_squeezed": (2, 4),
     "mlp_relu_squared": (2, 4),        # torch.square: ruled by torch's pointwise tag
     "qk_norm_whole": (2, 4),           # OLMo 2: a norm's statistic over the heads, all-reduced
     # depthwise conv1d on channel shards; x_proj's partial (dt, B, C) all-reduced once, not per

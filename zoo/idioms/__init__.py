@@ -31,12 +31,13 @@ from torch import nn
 from zoo.idioms.skeleton import Attention, D, HEADS, HEAD_DIM, LAYERS, LM, SwiGLU, VOCAB
 from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, LatentAttention, PairStackRoPE,
                                   PartialRoPE, RotateHalfRoPE, T5RelativeBias,
-                                  TorchtitanAttention)
+                                  TorchtitanAttention, UnboundPairsGQA)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
                                     IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
                                     SplitWeightQKV, TimmQKV, WholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
-                                  PaddingMaskLM, RepeatInterleaveKV, RepeatKV, SelectiveScan)
+                                  PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
+                                  SelectiveScan, SqueezedMQA)
 from zoo.idioms.blocks import ParallelResidualFirst
 from zoo.idioms.diffusion import DiT, dit_inputs
 from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
@@ -132,6 +133,9 @@ _REGISTRY = [
     ("rope_neox_partial", lambda: LM(attn=PartialRoPE), BASELINE),
     ("torchtitan_llama3", lambda: LM(attn=TorchtitanAttention),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
+    # at 4 ranks wk / wv whole: their partial gradients ride in the input's all-reduce
+    ("rope_unbound_pairs_gqa", lambda: LM(attn=UnboundPairsGQA),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=2)),
     ("rope_pair_stack", lambda: LM(attn=PairStackRoPE), BASELINE),
     # q and the low-rank kv cut by heads; wkv_a (the latent and the one rotated k head) whole,
     # each rank slicing its heads of the expanded k_pe inside the cat at no cost. Megatron-LM
@@ -170,9 +174,15 @@ _REGISTRY = [
      attention_expect(col=_in_layers("attn.wq", "attn.wk", "attn.wv"), row=_in_layers("attn.wo"))),
     ("mqa", lambda: LM(attn=partial(RepeatKV, n_kv_heads=1)),  # HF configs with 1 KV head
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
+    # the kv head's head_dim is not cut (it would make the scores a partial sum): kept whole
+    ("mqa_einsum_squeezed", lambda: LM(attn=partial(SqueezedMQA, n_kv_heads=1)),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=1)),
     ("gqa_expand_reshape", lambda: LM(attn=partial(RepeatKV, n_kv_heads=4)),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("gqa_repeat_interleave", lambda: LM(attn=partial(RepeatInterleaveKV, n_kv_heads=4)),
+     attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
+    # each rank's query heads are those of its kv heads in every tile: wq cut in n_rep blocks
+    ("gqa_repeat_tiled", lambda: LM(attn=partial(RepeatTiledKV, n_kv_heads=4)),
      attention_expect(col=_in_layers("attn.wq.weight"), kv=_KV, kv_heads=4)),
     ("softmax_masked_fill", lambda: LM(attn=MaskedSoftmax), BASELINE),
     ("bmm_batch_heads_merged", lambda: LM(attn=BatchHeadsBmm), BASELINE),
@@ -285,6 +295,7 @@ STYLES = {
     "rope_gptj_interleaved": "GPT-J RoPE on pairs `x[..., 0::2]`, `x[..., 1::2]`, `stack(..., -1).flatten(-2)`",
     "rope_neox_partial": "GPT-NeoX partial rotary: `cat(rotated q[..., :rd], q[..., rd:])`",
     "torchtitan_llama3": "torchtitan Llama 3: `view_as_complex` RoPE, `view(bs, T, -1, hd)`, SDPA `enable_gqa`, 8 q / 2 kv heads",
+    "rope_unbound_pairs_gqa": "x-transformers RoPE: pairs by `reshape(..., -1, 2).unbind(-1)`, `stack((-x2, x1), -1)`, 8 q / 2 kv heads tiled by `expand` + `reshape`",
     "rope_pair_stack": "RoPE by `reshape(..., -1, 2)`, `stack([...], -1).flatten(3)`",
     "mla_latent_rope_cat": "DeepSeek-V3 MLA (torchtitan): `cat([k_nope, k_pe.expand(-1, -1, H, -1)], -1)` of per-head and one shared rotated head, low-rank `wkv_a` -> `RMSNorm` -> `wkv_b`",
     "alibi": "BLOOM / MPT ALiBi: per-head distance biases added to explicit scores",
@@ -298,8 +309,10 @@ STYLES = {
     "fused_qkv_mqa_indexed": "Falcon-7B: `qkv.view(B, T, H + 2, D)`, k / v picked by list indices `qkv[..., [-2], :]`",
     "einsum_qkv_3d": "Flax / Gemma ports: `einsum(\"bld,dhk->blhk\")` with 3-D weights",
     "mqa": "multi-query (1 kv head), HF `repeat_kv` by expand + reshape",
+    "mqa_einsum_squeezed": "x-transformers multi-query: kv head squeezed to `(B, T, d)`, `einsum(\"b h i d, b j d -> b h i j\")`",
     "gqa_expand_reshape": "GQA 8 q / 4 kv heads, HF `repeat_kv` by expand + reshape",
     "gqa_repeat_interleave": "GQA 8 q / 4 kv heads by `repeat_interleave` on the head dim",
+    "gqa_repeat_tiled": "x-transformers GQA 8 q / 4 kv heads, `repeat(k, 'b kvh n d -> b (r kvh) n d')`: kv heads tiled",
     "softmax_masked_fill": "nanoGPT explicit attention: `masked_fill` with a tril buffer, softmax, `@ v`",
     "qk_norm_whole": "OLMo 2: RMSNorm over the whole q and k projections, before the head split",
     "bmm_batch_heads_merged": "BART / XGLM: batch and heads merged, reshape(B * H, T, d) and bmm",

@@ -34,6 +34,31 @@ class RepeatInterleaveKV(Attention):
         return super().attend(q, k, v)
 
 
+class RepeatTiledKV(Attention):
+    """x-transformers: ``repeat(k, 'b kvh n d -> b (r kvh) n d')``, the kv heads tiled, so query
+    head ``h`` reads kv head ``h % n_kv`` (not ``h // n_rep`` as Hugging Face's repeat_kv)."""
+
+    def attend(self, q, k, v, *extra):
+        B, n_kv, T, hd = k.shape
+        n_rep = self.n_heads // n_kv
+        k = k[:, None].expand(B, n_rep, n_kv, T, hd).reshape(B, n_rep * n_kv, T, hd)
+        v = v[:, None].expand(B, n_rep, n_kv, T, hd).reshape(B, n_rep * n_kv, T, hd)
+        return super().attend(q, k, v)
+
+
+class SqueezedMQA(Attention):
+    """x-transformers multi-query: the one kv head squeezed (``rearrange(k, 'b 1 n d -> b n
+    d')``), scores by ``einsum('b h i d, b j d -> b h i j')``, a causal ``masked_fill``."""
+
+    def attend(self, q, k, v, *extra):
+        B, _, T, hd = k.shape
+        k, v = k.reshape(B, T, hd), v.reshape(B, T, hd)
+        sim = torch.einsum("b h i d, b j d -> b h i j", q, k) * hd ** -0.5
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        return torch.einsum("b h i j, b j d -> b h i d", attn, v)
+
+
 class MaskedSoftmax(Attention):
     """nanoGPT: softmax(q k^T / sqrt(d)) with a tril buffer and masked_fill, then @ v."""
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.idioms.attention import RepeatTiledKV
 from zoo.idioms.skeleton import HEADS, D, Attention, rope_angles, rotate_half
 
 
@@ -34,11 +35,19 @@ def rotate_every_two(x):
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+def rotate_unbound_pairs(x):
+    """x-transformers' rotate_half: the pairs split off by a view and ``unbind(-1)``."""
+    x1, x2 = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
 class InterleavedRoPE(Attention):
     """GPT-J: pairs (0, 1), (2, 3)... rotated, tables repeat_interleave'd to head_dim."""
 
-    def __init__(self):
-        super().__init__()
+    rotate = staticmethod(rotate_every_two)
+
+    def __init__(self, n_kv_heads: int | None = None):
+        super().__init__(n_kv_heads=n_kv_heads)
         angles = rope_angles(self.head_dim).repeat_interleave(2, dim=-1)
         self.register_buffer("sin", angles.sin(), persistent=False)
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -46,7 +55,17 @@ class InterleavedRoPE(Attention):
     def position(self, q, k):
         T = q.shape[1]
         sin, cos = self.sin[None, :T, None, :], self.cos[None, :T, None, :]
-        return (q * cos) + (rotate_every_two(q) * sin), (k * cos) + (rotate_every_two(k) * sin)
+        return (q * cos) + (self.rotate(q) * sin), (k * cos) + (self.rotate(k) * sin)
+
+
+class UnboundPairsGQA(InterleavedRoPE, RepeatTiledKV):
+    """x-transformers: RoPE's pairs by ``unbind(-1)``, 8 q / 2 kv heads tiled to the queries:
+    at 4 ranks every rank holds the kv heads whole, their values go through ``unbind``."""
+
+    rotate = staticmethod(rotate_unbound_pairs)
+
+    def __init__(self):
+        super().__init__(n_kv_heads=2)
 
 
 class PartialRoPE(Attention):

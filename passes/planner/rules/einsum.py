@@ -124,11 +124,14 @@ def _output(op, operands, out_labels, linear, partial, same, label, target):
 
 
 def _kept_label(sharded, operands, out_labels):
-    """Of operands sharded on different labels, the label kept is the one most operands carry
-    (``B * decay[..., None]``: the heads both have, not the state dim only B has), then one the
-    output keeps (a sharded output, not a partial sum), then the first operand's."""
-    rank = {lab: (sum(lab in labels for _, labels in operands), lab in out_labels)
-            if lab is not None else (-1, False) for _, lab, _ in sharded}
+    """Of operands sharded on different labels, the label kept is one the output keeps (a
+    sharded output, not a partial sum of scores: x-transformers' multi-query
+    ``einsum("b h i d, b j d -> b h i j")`` keeps q's heads, and the one kv head, cut by its
+    head_dim, is gathered, so its root stays whole), then the one most operands carry
+    (``B * decay[..., None]``: the heads both have, not the state dim only B has), then the
+    first operand's."""
+    rank = {lab: (lab in out_labels, sum(lab in labels for _, labels in operands))
+            if lab is not None else (False, -1) for _, lab, _ in sharded}
     return max(rank, key=rank.get)
 
 
