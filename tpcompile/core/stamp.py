@@ -117,6 +117,9 @@ class _Stamper:
     def __init__(self, cap: Capture, path: str, n: int, period: int, indexed: tuple = ()):
         self.cap, self.path, self.n, self.period = cap, path, n, period
         self.indexed = tuple(_Indexed(p) for p in indexed)
+        # the per-block root attributes of the blocks past the exported ones
+        self.later = frozenset(p.format(k) for p in indexed
+                               for k in range(KEEP * period, n * period))
         self.paths = [f"{path}.{i}" for i in range(KEEP * period)]
         compute = [x for x in cap.gm.graph.nodes if x.op not in ("get_attr", "placeholder", "output")]
         self.runs = {g: [] for g in range(KEEP)}  # group -> its nodes, in graph order
@@ -147,12 +150,6 @@ class _Stamper:
             return rest.pattern.format(group * self.period + r)
         return f"{self._block(group, r)}.{rest}"
 
-    def _stamped(self, target: str) -> bool:
-        """A per-block root attribute of a block past the exported ones (the root holds one
-        for every block): the stamp makes its ``get_attr`` with the block's copy."""
-        return any(target == attr.pattern.format(k) for attr in self.indexed
-                   for k in range(KEEP * self.period, self.n * self.period))
-
     def _block(self, group: int, r: int) -> str:
         return f"{self.path}.{group * self.period + r}"
 
@@ -176,7 +173,7 @@ class _Stamper:
         if self._key(1) != self._key(2):
             return "the exported blocks trace to different graphs"
         read = next((x for x in self.cap.gm.graph.find_nodes(op="get_attr")
-                     if self._stamped(x.target) and x.users), None)
+                     if x.target in self.later and x.users), None)
         if read is not None:
             return f"{read.target}, a later block's own, is read by {next(iter(read.users))}"
         return None
@@ -225,8 +222,8 @@ class _Stamper:
         after = False  # past the blocks: export numbered these after n groups, not 3
 
         for x in self.cap.gm.graph.nodes:
-            if x.op == "get_attr" and self._stamped(x.target):
-                continue  # made with its block's copy
+            if x.op == "get_attr" and x.target in self.later:
+                continue  # made with its block's copy (the root holds one for every block)
             if x.op == "get_attr" and self._within(x.target, 2):
                 if x in segment_ending:  # the segment, once per group from 2 on
                     self._stamp_attrs(g, env, segment_ending[x])

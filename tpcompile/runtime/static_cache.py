@@ -9,6 +9,7 @@ capture); only the cache is allocated anew.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from contextlib import contextmanager
@@ -56,17 +57,21 @@ class StaticCacheLM(nn.Module):
         weight = next(model.parameters())
         self.cache.early_initialization(batch, heads, head_dim, weight.dtype, weight.device)
         for i, layer in enumerate(self.cache.layers):
-            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
-            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+            for name, t in zip(self._cache_names(i), (layer.keys, layer.values)):
+                self.register_buffer(name, t, persistent=False)
         self.register_buffer("cumulative_length", self.cache.layers[0].cumulative_length,
                              persistent=False)
+
+    def _cache_names(self, i: int) -> list[str]:
+        """Layer ``i``'s key and value cache buffers."""
+        return [pattern.format(i) for pattern in self.per_block_attributes]
 
     def forward(self, input_ids, attention_mask, position_ids, cache_position):
         self.cumulative_length.copy_(cache_position[0])  # where this call's tokens go
         for i, layer in enumerate(self.cache.layers):
             # the buffers themselves, not the tensors the cache object captured at init:
             # export traces module buffers, and the rank's shards replace them
-            layer.keys, layer.values = getattr(self, f"key_cache_{i}"), getattr(self, f"value_cache_{i}")
+            layer.keys, layer.values = (getattr(self, name) for name in self._cache_names(i))
             layer.cumulative_length = self.cumulative_length
         with sdpa_gqa(self.gqa_in_sdpa):
             return self.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -74,6 +79,7 @@ class StaticCacheLM(nn.Module):
                               **{self.cache_kwarg: self.cache}, **self.last_logits).logits
 
 
+@functools.cache
 def _step_layer():
     """transformers' ``StaticLayer`` writing each call's tokens at the positions from
     ``cumulative_length`` (the wrapper's one buffer, set from the call's ``cache_position``)
