@@ -175,12 +175,13 @@ def _style(node: fx.Node, state: Propagation, reader: fx.Node | None = None) -> 
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
-    """The ops reading a weight past its views, through every branch where it forks into
-    views (stacked experts picked one by one)."""
-    end = view_chain(node)[-1]
+    """The ops reading a weight's values past its views and the ops carrying its cut whole (a
+    cast: ``w.bfloat16()``), through every branch where it forks into views (stacked experts
+    picked one by one). Export's metadata checks read no value."""
+    end = carrier_chain(node)[-1]
     if end is node and len(node.users) > 1 and all(is_view(u) for u in node.users):
         return [r for u in node.users for r in view_chain(u)[-1].users]
-    return list(end.users)
+    return [u for u in end.users if val(u) is not None]
 
 
 def _local_shape(global_shape, placement, specs: Specs, rank: int):

@@ -252,7 +252,7 @@ class OpView:
         piece = piece_of(arg) if isinstance(arg, fx.Node) else None
         node = piece[0] if piece is not None and len(arg.users) == 1 else arg
         while isinstance(node, fx.Node) and not self.is_param(node):
-            if not is_view(node) or len(node.users) != 1:
+            if shard_map(node) is None or len(_readers(node)) != 1:
                 return dequantized_weight(arg) if isinstance(arg, fx.Node) else None
             node = node.args[0]
         return node if isinstance(node, fx.Node) and len(node.users) >= 1 else None
@@ -328,7 +328,12 @@ def carrier_chain(node: fx.Node) -> list[fx.Node]:
     shard carried down, instead of each rank slicing the chain's end. Export's metadata checks
     (no value) are not counted as users."""
     return _chain(node, lambda u: shard_map(u) is not None,
-                  lambda n: [u for u in n.users if val(u) is not None])
+                  _readers)
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """``node``'s users that read its values: export's metadata checks (no value) do not."""
+    return [u for u in node.users if val(u) is not None]
 
 
 def _chain(node: fx.Node, follows, users_of) -> list[fx.Node]:

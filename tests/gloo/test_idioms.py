@@ -33,6 +33,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "rope_unbound_pairs_gqa": (2, 4),
     "einsum_qkv_3d": (2, 4),           # einsum("bld,dhk->blhk") on 3-D Parameters
     "swiglu_raw_params": (2, 4),       # x @ w and einsum("btd,dh->bth") on raw Parameters
+    # weights cast at use (torchtitan's bf16 experts): the cut starts at the stored weight
+    "swiglu_cast_weights": (2, 4),
     "swiglu_fused_gate_up": (2, 4),    # one gate_up Linear chunked in two (crashed a pass before)
     "swiglu_interleaved_gate_up": (2, 4),  # gpt-oss: h[..., ::2], h[..., 1::2] on one gate_up
     "linear_subclass_matmul": (2, 4),  # x @ self.weight.T in a Linear subclass

@@ -8,10 +8,22 @@ every gradient to the unsharded captured graph's (torch refuses the model's own 
 backward on CPU; the captured higher-order op's dense backward runs). The bench extra pins
 torchtitan 0.2.2 (bench/upstream.py's rows); 0.3 installs beside torch 2.13 without another
 torch (``pip install --no-deps torchtitan==0.3.0 spmd_types tyro docstring_parser triton``).
+
+DeepSeek-V3's debug model (MLA, a dense first layer, then MoE layers of 8 grouped experts and a
+shared expert; ``deepseek_v3``) runs its routed experts in bfloat16: ``GroupedExperts`` casts
+the tokens and each weight (``w1_EFD.bfloat16()``) before ``_grouped_mm``. The cut starts at the
+stored weight through the cast, so the experts are column -> row like the shared expert. Each
+grouped matmul rounds its output to bfloat16 once, the sharded model each rank's partial sum:
+the two differ by a few bfloat16 units (u = 2**-8 relative), in the output and in every
+gradient that flows through the experts. The tolerance is 4u. Its ``wkv_a`` (MLA's kv down
+projection, 256 -> 576) is kept whole, as Megatron-LM and torchtitan's own plan keep it; the
+bound takes a down projection for one only when it narrows 4x (576 is wider than the debug
+model's 256), so it asks for ``wkv_a`` split: the one thing the verdict names.
 """
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -29,8 +41,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(
     not TITAN.startswith("0.3"), reason=f"needs torchtitan 0.3 (installed: {TITAN or 'none'})")]
 
 BODIES = str(Path(__file__).parent / "flex_workers.py")
-KINDS = ["llama3", "qwen3"]
-TOLERANCE = 1e-5
+KINDS = ["llama3", "qwen3", "deepseek_v3"]
+TOLERANCE = {"llama3": 1e-5, "qwen3": 1e-5, "deepseek_v3": 4 * 2.0 ** -8}
+WHOLE_BY_BOUND = {"deepseek_v3": "attention.wkv_a.weight"}  # the bound asks it split
 _runs = LaunchedOnDemand(lambda ws: run_on_ranks(f"{BODIES}:titan_cases", ws, KINDS,
                                                  timeout=1800))
 
@@ -42,16 +55,28 @@ def test_planned_at_the_bound(kind, world_size):
     model, inputs, kwargs = flex_models.torchtitan(kind)
     report = tpcompile.explain(model, inputs, world_size, example_kwargs=kwargs)
     assert not report.fallbacks, report.fallbacks
-    assert "-> at the bound" in str(report), str(report)[-3000:]
+    if kind not in WHOLE_BY_BOUND:
+        assert "-> at the bound" in str(report), str(report)[-3000:]
+        return
+    verdict = next(line for line in str(report).splitlines() if line.lstrip().startswith("->"))
+    found = re.search(r"above the bound: (\d+) weight tensor\(s\) Megatron splits kept whole "
+                      r"\(([^)]*?)(?: and \d+ more)?\)$", verdict)
+    assert found, verdict
+    whole = [n for n in report.params if n.endswith(WHOLE_BY_BOUND[kind])]
+    assert int(found[1]) == len(whole), verdict
+    assert all(n.endswith(WHOLE_BY_BOUND[kind]) for n in found[2].split(", ")), verdict
 
 
 @pytest.mark.parametrize("kind,world_size", [(k, ws) for k in KINDS for ws in (2, 4)])
 def test_forward_and_every_gradient_exact(kind, world_size):
     model = flex_models.torchtitan(kind)[0]
-    blocks = sum(p.dim() == 2 for n, p in model.named_parameters() if n.startswith("layers."))
+    # every block matrix (stacked experts too) but the MoE router's gate (a router stays whole:
+    # its output picks experts by topk) and what the bound asks split that stays whole
+    blocks = sum(p.dim() >= 2 and ".router." not in n and not n.endswith(WHOLE_BY_BOUND.get(kind, "-"))
+                 for n, p in model.named_parameters() if n.startswith("layers."))
     for result in (r[kind] for r in _runs[world_size]):
         assert "error" not in result, result["error"]
-        assert result["output_err"] <= TOLERANCE, result
+        assert result["output_err"] <= TOLERANCE[kind], result
         assert len(result["grad_errs"]) == sum(p.requires_grad for p in model.parameters())
-        assert max(result["grad_errs"].values()) <= TOLERANCE, result
-        assert result["sharded"] == blocks, result  # every block matrix cut
+        assert max(result["grad_errs"].values()) <= TOLERANCE[kind], result
+        assert result["sharded"] == blocks, result

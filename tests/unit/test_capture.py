@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -69,3 +70,30 @@ def test_export_does_not_also_log_the_fixed_size(caplog):
     with pytest.warns(UserWarning, match="export fixes it"):
         capture(models.build("mlp"), (torch.randn(1, 1, 64),))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+class Lengths(NamedTuple):
+    """An input of torchtitan's kind (its varlen attention's ``VarlenMetadata``)."""
+    starts: torch.Tensor
+    scale: torch.Tensor
+
+
+class ReadsANamedTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, lengths: Lengths):
+        return self.fc(x) * lengths.scale + lengths.starts.sum()
+
+
+def test_a_named_tuple_input_is_captured_with_its_dims_dynamic():
+    """Every dim of a NamedTuple's tensors dynamic, as for a plain tuple (export's dynamic
+    shapes spec rebuilt a NamedTuple from one iterable, a TypeError)."""
+    model, x = ReadsANamedTuple(), torch.randn(2, 3, 4)
+    lengths = Lengths(torch.arange(3.0), torch.full((2, 3, 1), 0.5))
+    cap = capture(model, (x,), {"lengths": lengths})
+    assert torch.allclose(cap.gm(x, lengths=lengths), model(x, lengths))
+    wider = Lengths(torch.arange(5.0), torch.full((2, 5, 1), 2.0))
+    assert torch.allclose(cap.gm(torch.ones(2, 5, 4), lengths=wider),
+                          model(torch.ones(2, 5, 4), wider))

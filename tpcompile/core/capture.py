@@ -125,7 +125,8 @@ def _auto(x, static: tuple[int, ...]):
     if isinstance(x, dict):
         return {k: _auto(v, static) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
-        return type(x)(_auto(v, static) for v in x)
+        items = [_auto(v, static) for v in x]
+        return type(x)(*items) if hasattr(type(x), "_fields") else type(x)(items)  # NamedTuple
     return static_leaves(x)  # a BlockMask: its tensors static, None for a non-tensor
 
 

@@ -24,7 +24,10 @@ __all__ = ["expert_loads"]
 
 
 class _Offsets(TorchDispatchMode):
-    """Records the offsets of each grouped matmul the model runs, in call order."""
+    """Records the offsets of each grouped matmul the model runs, in call order. Higher-order
+    ops (flex attention) come here too and run as they are: no grouped matmul is inside one."""
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
@@ -60,7 +63,8 @@ def expert_loads(model, inputs: tuple, kwargs: dict | None, gm: fx.GraphModule,
     if not blocks or any(p.device.type == "meta" for p in model.parameters()):
         return {}
     mode = _Offsets()
-    with torch.no_grad(), mode:
+    # code the model compiles itself (torchtitan's flex attention) runs eagerly under the mode
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), mode:
         model(*inputs, **(kwargs or {}))
     if len(mode.seen) != len(blocks):
         return {}

@@ -40,7 +40,7 @@ from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, Masked
                                   SelectiveScan, SqueezedMQA)
 from zoo.idioms.blocks import ParallelResidualFirst
 from zoo.idioms.diffusion import DiT, dit_inputs
-from zoo.idioms.mlps import (EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
+from zoo.idioms.mlps import (CastWeightsSwiGLU, EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
                              InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM,
                              RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
 
@@ -223,6 +223,7 @@ _REGISTRY = [
                       fwd_allreduce_per_layer=3, bwd_allreduce_per_layer=4)),
     ("swiglu_raw_params", lambda: LM(mlp=RawParamSwiGLU),
      mlp_expect(col=_in_layers("mlp.w_gate", "mlp.w_up"), row=_in_layers("mlp.w_down"))),
+    ("swiglu_cast_weights", lambda: LM(mlp=CastWeightsSwiGLU), mlp_expect()),
     ("mlp_relu_squared", lambda: LM(mlp=ReluSquaredMLP),
      mlp_expect(col=_in_layers("mlp.w1.weight"))),
     # the gain cut with the hidden features; the norm's sum of squares all-reduced forward
@@ -323,6 +324,7 @@ STYLES = {
     "mamba_selective_scan": "Mamba mixer: depthwise causal `conv1d`, `x_proj` split into dt / B / C, segment-sum scan",
     "mamba2_one_group": "Mamba-2 (Bamba): fused in_proj to (z, xBC, dt), B / C of one group `repeat_interleave`d to the heads, `einsum` SSD, gated norm",
     "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
+    "swiglu_cast_weights": "weights cast where they are used (`F.linear(x.double(), self.w1.weight.double())`, torchtitan's `w1.bfloat16()` experts, Hugging Face's float32 router)",
     "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",
     "swiglu_fused_gate_up": "one `gate_up_proj` Linear, `chunk(2, -1)`",
     "swiglu_interleaved_gate_up": "gpt-oss: gate and up features alternate, `h[..., ::2]`, `h[..., 1::2]`",

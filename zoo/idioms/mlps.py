@@ -1,4 +1,4 @@
-"""MLP idioms: SwiGLU on raw Parameters or fused gate / up weights, ReLU², normalized hidden
+"""MLP idioms: SwiGLU on raw Parameters, fused gate / up weights or weights cast at use, ReLU², normalized hidden
 features, mixtures of experts (a ModuleList loop, stacked weights, torchtitan's loop over stacked
 experts, Llama 4's scaled tokens),
 and Gemma's per-layer inputs.
@@ -274,3 +274,16 @@ class PerLayerInputLM(LM):
         for i, layer in enumerate(self.layers):
             x = layer(x, inputs[:, :, i, :])
         return self.head(self.norm(x))
+
+
+class CastWeightsSwiGLU(SwiGLU):
+    """Weights cast where they are used, the MLP computed in another precision than they are
+    stored in: torchtitan's ``GroupedExperts`` (``w1.bfloat16()``), Hugging Face's MoE router
+    (``F.linear(x.float(), self.weight.float())``). Here float64, so that a cut sums exactly
+    what the whole model sums."""
+
+    def forward(self, x):
+        x64 = x.double()
+        gate = F.silu(F.linear(x64, self.w1.weight.double()))
+        up = F.linear(x64, self.w3.weight.to(torch.float64))
+        return F.linear(gate * up, self.w2.weight.double()).type_as(x)
