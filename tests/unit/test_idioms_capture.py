@@ -33,6 +33,18 @@ def test_docs_support_table_has_a_row_per_idiom():
     assert set(idioms.STYLES) == set(NAMES)
 
 
+def test_the_readme_counts_the_corpus_the_results_file_measured():
+    """The README's idiom counts are the corpus's and its last whole run's (the results file):
+    a new idiom needs the run and the sentence updated."""
+    root = Path(__file__).resolve().parents[2]
+    readme = " ".join((root / "README.md").read_text().split())
+    measured = (root / "bench" / "results" / "idioms.md").read_text()
+    ok, rows = map(int, re.search(r"^(\d+) of (\d+) rows are the Megatron plan", measured, re.M).groups())
+    assert rows == 2 * len(NAMES), "rerun `python -m bench.idioms --numerics`"
+    assert f"in all {rows} (idiom, ranks) rows" in readme
+    assert f"{ok} of {rows} rows of its {len(NAMES)}" in readme
+
+
 def _output_shape(name: str, inputs: tuple) -> tuple:
     """Logits over the vocabulary per token; a DiT's prediction has its latents' shape."""
     return tuple(inputs[0].shape) if name in idioms.INPUTS else (*inputs[0].shape, idioms.VOCAB)
