@@ -58,14 +58,19 @@ def _blocks(gm: fx.GraphModule) -> list[str | None]:
 def expert_loads(model, inputs: tuple, kwargs: dict | None, gm: fx.GraphModule,
                  world_size: int) -> dict[str, list[int]]:
     """MoE module -> rows of the example routed to each rank's whole experts ({} on meta, or
-    when the model's grouped matmuls do not match the capture's one for one)."""
+    when the model's grouped matmuls do not match the capture's one for one), or why they were
+    not measured when the example does not run here (an attention kernel this device lacks)."""
     blocks = _blocks(gm)
     if not blocks or any(p.device.type == "meta" for p in model.parameters()):
         return {}
     mode = _Offsets()
-    # code the model compiles itself (torchtitan's flex attention) runs eagerly under the mode
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"), mode:
-        model(*inputs, **(kwargs or {}))
+    try:
+        # code the model compiles itself (torchtitan's flex attention) runs eagerly under the mode
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), mode:
+            model(*inputs, **(kwargs or {}))
+    except (RuntimeError, NotImplementedError) as e:
+        why = f"not measured: the example does not run here ({type(e).__name__}: {_first_line(e)})"
+        return {module: why for module in blocks if module is not None}
     if len(mode.seen) != len(blocks):
         return {}
     out = {}
@@ -77,3 +82,8 @@ def expert_loads(model, inputs: tuple, kwargs: dict | None, gm: fx.GraphModule,
         out[module] = [sum(bounds[stop] - bounds[start] for start, stop in owned)
                        for owned in spec.owned]
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    line = (str(e).strip().splitlines() or [""])[0]
+    return line if len(line) <= 160 else line[:157] + "..."

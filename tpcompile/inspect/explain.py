@@ -79,7 +79,8 @@ class Report:
     # activation checkpointing: {"kept": [region], "dropped": [{"region", "reason"}]}
     checkpointing: dict = field(default_factory=lambda: {"kept": [], "dropped": []})
     experts: dict = field(default_factory=dict)  # MoE module -> how its experts are cut, why
-    # grouped-matmul MoE module -> rows of the example routed to each rank's whole experts
+    # grouped-matmul MoE module -> rows of the example routed to each rank's whole experts, or
+    # why they were not measured (the example does not run on this device)
     expert_load: dict = field(default_factory=dict)
     # per rank under Megatron's plan (tpcompile.inspect.bound): split weights / N + the rest
     param_bytes_ideal: float = 0.0

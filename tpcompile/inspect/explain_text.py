@@ -57,7 +57,9 @@ def _experts(r) -> list[str]:
     for module, how in sorted(r.experts.items()):
         lines.append(f"  {module}: {how}")
         load = r.expert_load.get(module)
-        if load:
+        if isinstance(load, str):
+            lines.append(f"    load: {load}")
+        elif load:
             mean = sum(load) / len(load)
             lines.append(f"    load: rows of the example routed to each rank's whole experts: "
                          f"{', '.join(map(str, load))} (busiest {max(load) / mean:.2f}x the mean)"
