@@ -39,8 +39,8 @@ from tpcompile.passes.planner.rules.table import (
     weight_out_first,
 )
 from tpcompile.passes.planner.rules import (  # each registers its rules into the table
-    einsum, pointwise, writes, matmuls, indexing, attention, flex_attention, reductions, extrema,
-    views, vocabulary,
+    einsum, pointwise, writes, matmuls, indexing, attention, flex_attention, varlen_attention,
+    reductions, extrema, views, vocabulary,
 )
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 from tpcompile.passes.planner.rules.matmuls import contraction_flops

@@ -70,24 +70,25 @@ def _sdpa(op):
     return Shard(pq.dim, grouped_heads(op, q, k, v, per_head))
 
 
-def kv_read_whole(op, q, k, v) -> None:
-    """A fused qkv's k / v chunk cut inside its heads while q is cut by heads: that chunk is
-    kept whole (a k_proj of its own is handled by :func:`grouped_heads`)."""
+def kv_read_whole(op, q, k, v, heads: int = -3) -> None:
+    """A fused qkv's k / v chunk cut inside its heads while q is cut by heads (dim ``heads``
+    from the end): that chunk is kept whole (a k_proj of its own is handled by
+    :func:`grouped_heads`)."""
     pq = op.placement(q)
-    if isinstance(pq, Shard) and pq.dim == len(shape(q)) - 3:
+    if isinstance(pq, Shard) and pq.dim == len(shape(q)) + heads:
         inside = [p.layout for x in (k, v) if isinstance(p := op.placement(x), Shard)
                   and p.dim == len(shape(x)) - 1 and op.is_chunk(p.layout)]
         op.require_whole("k / v are cut inside their heads while the query heads are cut: each "
                          "rank reads whole kv heads", *inside)
 
 
-def grouped_heads(op, q, k, v, per_head: list[tuple[fx.Node, int]]) -> Layout:
-    """Grouped-query attention with q cut by heads: the layout of each rank's query heads, with
-    k and v required on the kv heads those read, and ``per_head`` (tensor, heads dim) operands
-    on the query heads."""
-    hq, hk = shape(q)[-3], shape(k)[-3]
+def grouped_heads(op, q, k, v, per_head: list[tuple[fx.Node, int]], heads: int = -3) -> Layout:
+    """Grouped-query attention with q cut by heads (dim ``heads`` from the end): the layout of
+    each rank's query heads, with k and v required on the kv heads those read, and
+    ``per_head`` (tensor, heads dim) operands on the query heads."""
+    hq, hk = shape(q)[heads], shape(k)[heads]
     pq = op.placement(q)
-    hd = len(shape(k)) - 3
+    hd = len(shape(k)) + heads
     target = pq.layout
     kv = [op.placement(k), op.placement(v)]
     if hk >= op.specs.world_size and all(isinstance(p, Shard) and p.dim == hd for p in kv):
