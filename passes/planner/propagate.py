@@ -1,7 +1,7 @@
 """Placement propagation: run the rule table over the graph in topological order.
 
 This is an analysis; it does not touch the graph. Given which matmuls may start a
-column-parallel region and how each root is cut, it returns every node's output placement and
+column-parallel chain and how each root is cut, it returns every node's output placement and
 the conversions (gathers, all-reduces, local slices) consumers need. The planner
 (:mod:`tpcompile.passes.planner.plan_sharding`) calls it repeatedly while it refines those inputs.
 
@@ -141,7 +141,7 @@ class OpView:
         return self.node.name in self.constraints.carried
 
     def reject(self, root: str, reason: str) -> None:
-        """Keep ``root`` whole from the next round on (its region stays otherwise as it is)."""
+        """Keep ``root`` whole from the next round on (its chain stays otherwise as it is)."""
         self._state.rejected.setdefault(root, reason)
 
     def mark_statistic(self) -> None:
@@ -432,5 +432,5 @@ def _record(state: Propagation, node: fx.Node, required: dict) -> None:
     for arg, placement in required.items():
         state.conversions[(arg, node)] = placement
         src = state.placements.get(arg)
-        if local_slice(state.specs, src, placement):  # regions that must be cut alike
+        if local_slice(state.specs, src, placement):  # chains that must be cut alike
             state.links.append((src.layout.root, placement.layout.root))

@@ -461,15 +461,15 @@ def whole_read(layer: str, cols: list[Matmul], mms: list[Matmul],
         return bool(features & set(sizes)) or any(
             h in sizes and (len(sizes) > 1 or h * h != f) for h, f in heads.items())
 
-    region, todo = set(), [u for c in cols for u in c.node.users]
+    reached, todo = set(), [u for c in cols for u in c.node.users]
     while todo:
         n = todo.pop()
-        if n in region or n in by_node or n.op != "call_function" or _layer(n) != layer:
+        if n in reached or n in by_node or n.op != "call_function" or _layer(n) != layer:
             continue
-        region.add(n)
+        reached.add(n)
         todo.extend(n.users)
     out = {}
-    for n in region:
+    for n in reached:
         for a in n.all_input_nodes:
             found = stored_inputs(a)
             for leaf in found[0] if found else ():

@@ -51,7 +51,7 @@ class ParamEntry:
     dtype: str
     parameter: bool          # a parameter, trainable or frozen (False for buffers)
     trainable: bool          # a parameter that requires grad
-    grad_sync: bool          # its gradient is all-reduced (replicated inside a sharded region)
+    grad_sync: bool          # its gradient is all-reduced (replicated inside a sharded chain)
     chain: str               # the column -> row chain it belongs to; '' if none
     reason: str              # the planner's reason for the style
     aliases: list            # every FQN naming this tensor

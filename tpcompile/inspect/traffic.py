@@ -26,7 +26,7 @@ from tpcompile.core.block_paths import block_path
 from tpcompile.core.placement import Shard
 from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.collectives import (
-    COLLECTIVE_FNS, copy_all_to_region, issued, sync_grad_pieces,
+    COLLECTIVE_FNS, copy_all_into_chain, issued, sync_grad_pieces,
 )
 from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
 
@@ -90,7 +90,7 @@ def _message_shape(call: fx.Node, value) -> list:
             whole = concrete_shape(w.meta["val"])
             sizes.append(math.prod(whole) // whole[dim] * sum(e - s for s, e in pieces))
         return [sum(sizes)]
-    if call.target is copy_all_to_region:  # every value's gradient, flattened
+    if call.target is copy_all_into_chain:  # every value's gradient, flattened
         shapes = [concrete_shape(v.meta["val"]) for v in call.args[0]]
         if all(isinstance(d, int) for shp in shapes for d in shp):
             return [sum(math.prod(shp) for shp in shapes)]
