@@ -16,7 +16,7 @@ from tpcompile.tools import models
 from tpcompile.api import plan_model, rewrite
 from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
 from tpcompile.runtime.collectives import COLLECTIVE_FNS, count_collectives
-from tpcompile.inspect.explain import SCHEMA, Report
+from tpcompile.inspect.explain.explain import SCHEMA, Report
 
 from support import workers
 
@@ -313,7 +313,7 @@ def test_weights_the_bound_could_not_judge_are_named_never_at_the_bound_silently
     weight with its reason instead of a bare "at the bound", and JSON keeps them."""
     from dataclasses import replace
 
-    from tpcompile.inspect import explain_html
+    from tpcompile.inspect.explain import explain_html
 
     why = "layers.1.attention.wq.weight: its matmul's features have no example size"
     rows = [replace(m, undecided=[why] if m.layer == "layers.1" else []) for m in llama2.megatron]

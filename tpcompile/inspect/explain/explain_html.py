@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from html import escape
 
-from tpcompile.inspect.plan_block import BlockView
+from tpcompile.inspect.explain.plan_block import BlockView
 from tpcompile.inspect.traffic import bound_verdict
-from tpcompile.inspect.plan_svg import PHASE_COLOURS, STYLE_COLOURS, bytes_svg, human_bytes, plan_svg
+from tpcompile.inspect.explain.plan_svg import PHASE_COLOURS, STYLE_COLOURS, bytes_svg, human_bytes, plan_svg
 
 __all__ = ["page"]
 

@@ -1,4 +1,4 @@
-"""The facts of a captured graph that Megatron's bound (:mod:`tpcompile.inspect.bound`) reads.
+"""The facts of a captured graph that Megatron's bound (:mod:`tpcompile.inspect.bound.bound`) reads.
 
 Per matmul with a stored operand: its weights, its activation, its features, the matmuls it
 reads from and feeds within its block (through any op but another matmul), whether it picks
