@@ -23,8 +23,8 @@ from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole
 from tpcompile.passes.planner.propagate import (
     Constraints, Propagation, same_placement, carrier_chain, view_chain,
 )
-from tpcompile.passes.planner.quantized import dequantized_readers, undequantized_reason
-from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
+from tpcompile.passes.planner.rules.quantized import dequantized_readers, undequantized_reason
+from tpcompile.passes.planner.absorb_dequantized import absorb_dequantized
 from tpcompile.passes.planner.reads import consumed
 from tpcompile.passes.planner.rules import (
     is_lookup, is_param_matmul, is_view, piece_of, shard_map, weight_out_first,

@@ -26,7 +26,7 @@ from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replic
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import agreeing_cut, shape, sub_layout, val
 from tpcompile.passes.planner.experts.placement import choose_column, grouped_mode, place_experts
-from tpcompile.passes.planner.quantized import dequantized_weight, stored_behind
+from tpcompile.passes.planner.rules.quantized import dequantized_weight, stored_behind
 from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class OpView:
     def param_behind(self, arg) -> fx.Node | None:
         """The parameter ``arg`` is, or is a view of (through ops the rule table maps dims of,
         each used once), or the quantized weight it dequantizes
-        (:mod:`tpcompile.passes.planner.quantized`): where a column-parallel root may start.
+        (:mod:`tpcompile.passes.planner.rules.quantized`): where a column-parallel root may start.
         A matmul may also read a piece of a parameter split along a dim (:func:`piece_of`);
         ``root_layout`` then cuts that piece as its part of the parameter's root."""
         if isinstance(arg, fx.Node) and (stored := stored_behind(arg)) is not None:

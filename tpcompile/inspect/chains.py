@@ -20,7 +20,7 @@ from tpcompile.core.capture import module_path
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
-from tpcompile.passes.planner.quantized import dequantized_readers, dequantized_weight
+from tpcompile.passes.planner.rules.quantized import dequantized_readers, dequantized_weight
 from tpcompile.passes.planner.rules import is_param_matmul, is_sum
 
 __all__ = ["Chain", "find_chains"]

@@ -73,7 +73,7 @@ judge another graph: the rule table's fields ``matmul`` (which ops are matmuls,
 ``is_param_matmul``), ``view`` (which ops only re-index a value, ``is_view``) and
 ``attention`` (``is_attention``), and the fresh buffers ``writes.any_placement`` names (no use
 of a value); which stored tensors make a quantized weight
-(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in
+(:mod:`tpcompile.passes.planner.rules.quantized`); the repeated block a node is in
 (:mod:`tpcompile.core.block_paths`, the chain report's answer too); and the cost rule's chain
 and price (:mod:`tpcompile.passes.planner.chain_cost`), a stated model the bound must not
 price differently. Its own are the op sets of :mod:`tpcompile.inspect.bound.bound_graph` (ops that keep a
@@ -96,7 +96,9 @@ from tpcompile.inspect.bound.bound_graph import (
     value_bytes, value_users, whole_read,
 )
 from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
-from tpcompile.passes.planner.quantized import is_quantized_storage, stored_inputs, weight_targets
+from tpcompile.passes.planner.rules.quantized import (
+    is_quantized_storage, stored_inputs, weight_targets,
+)
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
 

@@ -23,7 +23,7 @@ from torch import fx
 
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, concrete_shape, module_path
-from tpcompile.passes.planner.quantized import stored_inputs
+from tpcompile.passes.planner.rules.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement

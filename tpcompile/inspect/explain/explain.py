@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tpcompile.inspect.explain.dtensor_plan import dtensor_styles, to_parallel_styles
-from tpcompile.passes.planner.quantized import quantized_weights, weight_targets
+from tpcompile.passes.planner.rules.quantized import quantized_weights, weight_targets
 from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
