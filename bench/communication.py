@@ -7,7 +7,7 @@ No process group: each model is captured, planned and rewritten for rank 0
 (:func:`tpcompile.inspect.trace.trace_rewrite`), and the collectives are read from the rewritten
 graph itself (:func:`tpcompile.inspect.traffic.list_collectives`), forward and backward, each with the
 size of the whole tensor it reduces or assembles. Megatron's bound is derived from the model
-(:mod:`tpcompile.inspect.bound`): one forward all-reduce per group of summed row-parallel
+(:mod:`tpcompile.inspect.bound.bound`): one forward all-reduce per group of summed row-parallel
 outputs and one backward all-reduce per activation entering the column-parallel matmuls, per
 repeated block. *Excess* is every collective on none of the values the bound reduces; each is
 listed with the value it converts, so a non-zero entry says what to look at.

@@ -8,12 +8,12 @@ backward: parallelize (or ``parallelize_module``), ``torch.compile``, the first 
 backend: its first two, since it shards on the first and compiles on the second). Variants:
 
     dtensor compiled            torch.compile(parallelize_module(model, torchtitan plan))
-    tpcompile compiled          ``tp.compile_regions = True`` and torch.compile(tp,
-                                fullgraph=True, options=compile_options(regions=True)):
-                                repeated blocks as one nested compile region
-                                (tpcompile/runtime/regions.py)
+    tpcompile compiled          ``tp.compiled_blocks = True`` and torch.compile(tp,
+                                fullgraph=True, options=compile_options(compiled_blocks=True)):
+                                repeated blocks as one compiled block
+                                (tpcompile/runtime/compiled_blocks.py)
     tpcompile compiled (flat)   torch.compile(tp, fullgraph=True): the whole graph (default)
-    tpcompile backend           torch.compile(model, backend=tpcompile.backend()): regions
+    tpcompile backend           torch.compile(model, backend=tpcompile.backend()): compiled blocks
 
 Where the time goes comes from Dynamo's own timers (``torch._dynamo.utils.
 compilation_time_metrics``, the table ``torch._dynamo.utils.compile_times()`` prints), per
@@ -64,8 +64,8 @@ def _setup(name: str, model, inputs, mesh):
     if name == "tpcompile backend":
         return torch.compile(model, backend=tpcompile.backend(mesh=mesh)), 2
     tp = tpcompile.parallelize(model, inputs, mesh)
-    tp.compile_regions = name == "tpcompile compiled"
-    options = tpcompile.compile_options(regions=tp.compile_regions)
+    tp.compiled_blocks = name == "tpcompile compiled"
+    options = tpcompile.compile_options(compiled_blocks=tp.compiled_blocks)
     return torch.compile(tp, fullgraph=True, options=options), 1
 
 

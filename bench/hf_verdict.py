@@ -1,7 +1,7 @@
 """A planned family's verdict against Megatron's bound derived from the model (bench/hf_sweep.py,
 bench/upstream.py).
 
-The bound is :mod:`tpcompile.inspect.bound`'s, as ``tpcompile.explain`` reports it: per layer
+The bound is :mod:`tpcompile.inspect.bound.bound`'s, as ``tpcompile.explain`` reports it: per layer
 the all-reduces Megatron pays forward and backward, the weights it splits (``whole``: those the
 plan keeps whole), the weights it could not judge (``undecided``) and the parameter bytes per
 rank of its plan (``param_bytes_ideal``). Nothing here counts collectives of its own.
@@ -10,7 +10,7 @@ rank of its plan (``param_bytes_ideal``). Nothing here counts collectives of its
 exactly as many, every layer paying at least one forward, nothing gathered, no fallback, no
 weight the bound splits kept whole, the largest rank within 1% of the ideal bytes), ``below
 bound`` (all of that but fewer all-reduces than the bound: the bound misjudged the model, a
-row to fix in :mod:`tpcompile.inspect.bound`), ``above bound`` (more all-reduces than the
+row to fix in :mod:`tpcompile.inspect.bound.bound`), ``above bound`` (more all-reduces than the
 bound, or gathers), ``off bound`` (no more collectives, but weights left whole or bytes over
 the ideal), ``bound undecided`` (at the bound for the weights it judged, some not judged),
 ``not sharded`` (no collective at all). A post-LN layer's input-gradient all-reduce is

@@ -12,7 +12,7 @@ Plans come from ``tpcompile.explain``, with no process group. Per idiom and worl
   ``sharded / N + replicated``, where *sharded* is what the idiom's ``Expect`` says a Megatron
   plan cuts (``bench/memory.py``'s ``ideal_split`` with those globs, not the plan's own styles);
 * collectives per layer, forward / backward: tpcompile's, the bound the report derives from the
-  model (``report.megatron``, :mod:`tpcompile.inspect.bound`), and the idiom's Megatron bound (``Expect``:
+  model (``report.megatron``, :mod:`tpcompile.inspect.bound.bound`), and the idiom's Megatron bound (``Expect``:
   1 + 1 per chain; replicated K / V and an MoE's routing weights have their gradients synced in
   the block input's all-reduce; an MoE is one chain, its experts' partial sums added before
   one all-reduce; a chunk kept whole inside a fused weight or a norm over sharded features

@@ -75,7 +75,7 @@ __all__ = ["Pass", "PassRecord", "Planned", "PREPARE_PASSES", "REPLAN_PASSES", "
 Pass = tuple[str, Callable[[fx.GraphModule], fx.GraphModule | PassResult | tuple[PassResult, object]]]
 
 
-# graph -> graph, before the planner: the planner sees the ops of autocast regions, no dead
+# graph -> graph, before the planner: the planner sees the ops of autocast scopes, no dead
 # code, matmuls without biases, constant runs of indices as slices, and writes into buffers
 # the graph makes itself as values (out of place)
 PREPARE_PASSES: list[Pass] = [("inline_autocast", inline_autocast_pass),

@@ -7,12 +7,12 @@ from tpcompile.errors import (
     CaptureError, CollectiveError, InputError, InputMismatchError, MeshError, PlanError,
     PlanMismatchError, RandomStateError, TPCompileError, TPCompileWarning,
 )
-from tpcompile.inspect.diff import GraphDiff, diff
+from tpcompile.inspect.diff.diff import GraphDiff, diff
 from tpcompile.compile.inductor import compile_options, mark_dynamic
 from tpcompile.state.meta_init import buffers_of, init_shards, to_empty
 from tpcompile.state.optim import clip_grad_norm_, grad_norm
 from tpcompile.core.plan import ShardingPlan
-from tpcompile.inspect.explain import Report, explain
+from tpcompile.inspect.explain.explain import Report, explain
 from tpcompile.runtime.module import TPModule, gather_full
 from tpcompile.state.full_state import load_full_state_dict
 from tpcompile.state.pretrained import from_pretrained

@@ -85,9 +85,9 @@ def per_sample_rows(node: fx.Node | None, batch: int | None) -> bool:
 
 def per_sample_chain(activations, batch: int | None) -> bool:
     """What a chain the cost rule judges is: one whose column matmuls (their ``activations``)
-    each read one row per sample. The planner asks it of a region's column matmuls
+    each read one row per sample. The planner asks it of a chain's column matmuls
     (:mod:`~tpcompile.passes.planner.refine.unpaid_chains`), Megatron's bound of one matmul
-    (:mod:`tpcompile.inspect.bound`)."""
+    (:mod:`tpcompile.inspect.bound.bound`)."""
     return all(per_sample_rows(a, batch) for a in activations)
 
 

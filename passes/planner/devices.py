@@ -10,7 +10,7 @@ the others None (no number is invented to fill a field):
   cuts with them. They are stated, not fitted: ``bench/experts.py`` measures the two expert
   cuts and reports whether the cheaper one here is the faster one there;
 - ``advise``'s *datasheet presets* (``h100``, ``a100``, ...): peak FLOP/s per dtype, link
-  bandwidth and memory, each with its source (:mod:`tpcompile.inspect.costs` turns them into
+  bandwidth and memory, each with its source (:mod:`tpcompile.inspect.advise.costs` turns them into
   step times and fits).
 
 It lives in the planner, the lowest layer that prices anything; ``inspect`` reads it from here.

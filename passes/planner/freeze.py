@@ -23,8 +23,8 @@ from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole
 from tpcompile.passes.planner.propagate import (
     Constraints, Propagation, same_placement, carrier_chain, view_chain,
 )
-from tpcompile.passes.planner.quantized import dequantized_readers, undequantized_reason
-from tpcompile.passes.planner.quantized_cuts import absorb_dequantized
+from tpcompile.passes.planner.rules.quantized import dequantized_readers, undequantized_reason
+from tpcompile.passes.planner.absorb_dequantized import absorb_dequantized
 from tpcompile.passes.planner.reads import consumed
 from tpcompile.passes.planner.rules import (
     is_lookup, is_param_matmul, is_view, piece_of, shard_map, weight_out_first,
@@ -262,7 +262,7 @@ def freeze(cap: Capture, state: Propagation, constraints: Constraints) -> Shardi
         grad_sync = node.target in cap.trainable and (node.name in syncs or pieces)
         if style == "replicate" and isinstance(p, Shard):
             reason = (f"too few heads to split over {ws} ranks: replicated inside the sharded "
-                      f"region of {next(iter(node.users)).name}")
+                      f"chain of {next(iter(node.users)).name}")
         elif style == "replicate" and reader is not None:
             cut = [n.target for n, r in dequantized_by.items()
                    if r is reader and isinstance(state.placements.get(n), Shard)]
@@ -304,7 +304,7 @@ def freeze(cap: Capture, state: Propagation, constraints: Constraints) -> Shardi
 def _kept_whole(killed: dict[str, str], params: dict) -> dict[str, str]:
     """The weights refused as a column root that stay whole: a weight refused in one role may
     still be cut in another (an MMDiT stream's ``fc2``, refused as the root of the residual
-    stream's region, is the row-parallel end of its MLP's chain), and the plan must not say
+    stream's chain, is the row-parallel end of its MLP's chain), and the plan must not say
     it is kept replicated while its table entry says it is split."""
     return {name: why for name, why in killed.items()
             if name not in params or params[name].style == "replicate"}

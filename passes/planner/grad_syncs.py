@@ -3,7 +3,7 @@
 A replicated value read by a sharded op gets, on each rank, only that rank's part of its
 gradient: the parts must be summed over ranks before the value's own backward runs on. The
 planner marks such values here (``grad_syncs``: value -> the consumers that make its gradient
-partial); ``insert_collectives`` puts one ``copy_to_region`` in front of those consumers, and
+partial); ``insert_collectives`` puts one ``copy_into_chain`` in front of those consumers, and
 buckets the syncs of one block into one all-reduce. The sync moves up to where the sum can
 be taken once (a fork into experts, say), never past a value two carriers make.
 
@@ -109,7 +109,7 @@ def grad_syncs(gm, state: Propagation, needs_grad: set,
             users = [u for u in node.users if _partial_grad_edge(state, node, u, whole)]
             if users:
                 partial[node] = users
-    for node in copies:  # their partial gradient reaches replicated inputs outside the region
+    for node in copies:  # their partial gradient reaches replicated inputs outside the chain
         for a in node.all_input_nodes:
             if (a in needs_grad and a not in copies and (a, node) not in state.conversions
                     and isinstance(state.placements.get(a), Replicate)):
@@ -156,11 +156,11 @@ def copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,
     """Replicated values computed, with no conversion, from a chunk kept whole on every rank
     (``require_whole``) or from such values -> whether every gradient they receive is partial.
 
-    A whole chunk is part of its region: each rank's gradient of it is a partial sum, which the
-    region's own gradient sync (at its column-parallel root's input) adds up. A value computed
+    A whole chunk is part of its chain: each rank's gradient of it is a partial sum, which the
+    chain's own gradient sync (at its column-parallel root's input) adds up. A value computed
     from it (Mamba-2's ``C . B``) is the same while every consumer differentiates it partially;
     one that something differentiates whole on every rank would be summed ``world_size`` times
-    (the refinement ``whole_grads_into_chunks`` keeps such regions replicated).
+    (the refinement ``whole_grads_into_chunks`` keeps such chains replicated).
     """
     copies: dict[fx.Node, bool] = {}
     for node in gm.graph.nodes:

@@ -1,7 +1,7 @@
 """Placement propagation: run the rule table over the graph in topological order.
 
 This is an analysis; it does not touch the graph. Given which matmuls may start a
-column-parallel region and how each root is cut, it returns every node's output placement and
+column-parallel chain and how each root is cut, it returns every node's output placement and
 the conversions (gathers, all-reduces, local slices) consumers need. The planner
 (:mod:`tpcompile.passes.planner.plan_sharding`) calls it repeatedly while it refines those inputs.
 
@@ -26,7 +26,7 @@ from tpcompile.core.placement import Demand, Layout, Misaligned, Partial, Replic
 from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import agreeing_cut, shape, sub_layout, val
 from tpcompile.passes.planner.experts.placement import choose_column, grouped_mode, place_experts
-from tpcompile.passes.planner.quantized import dequantized_weight, stored_behind
+from tpcompile.passes.planner.rules.quantized import dequantized_weight, stored_behind
 from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class OpView:
         return self.node.name in self.constraints.carried
 
     def reject(self, root: str, reason: str) -> None:
-        """Keep ``root`` whole from the next round on (its region stays otherwise as it is)."""
+        """Keep ``root`` whole from the next round on (its chain stays otherwise as it is)."""
         self._state.rejected.setdefault(root, reason)
 
     def mark_statistic(self) -> None:
@@ -244,7 +244,7 @@ class OpView:
     def param_behind(self, arg) -> fx.Node | None:
         """The parameter ``arg`` is, or is a view of (through ops the rule table maps dims of,
         each used once), or the quantized weight it dequantizes
-        (:mod:`tpcompile.passes.planner.quantized`): where a column-parallel root may start.
+        (:mod:`tpcompile.passes.planner.rules.quantized`): where a column-parallel root may start.
         A matmul may also read a piece of a parameter split along a dim (:func:`piece_of`);
         ``root_layout`` then cuts that piece as its part of the parameter's root."""
         if isinstance(arg, fx.Node) and (stored := stored_behind(arg)) is not None:
@@ -437,5 +437,5 @@ def _record(state: Propagation, node: fx.Node, required: dict) -> None:
     for arg, placement in required.items():
         state.conversions[(arg, node)] = placement
         src = state.placements.get(arg)
-        if local_slice(state.specs, src, placement):  # regions that must be cut alike
+        if local_slice(state.specs, src, placement):  # chains that must be cut alike
             state.links.append((src.layout.root, placement.layout.root))

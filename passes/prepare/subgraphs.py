@@ -1,7 +1,7 @@
 """Put a traced subgraph into a graph in place of the one call it stands for.
 
 The shared step of the passes that inline: ``decompose_unruled`` (an op's traced
-decomposition) and ``inline_autocast`` (an autocast region's body). Constants of the subgraph
+decomposition) and ``inline_autocast`` (an autocast scope's body). Constants of the subgraph
 move onto the graph module under names the caller chooses; multi-output calls, read through
 ``getitem``, are replaced output by output.
 """

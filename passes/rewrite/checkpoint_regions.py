@@ -208,7 +208,7 @@ def checkpointed_graph(gm: fx.GraphModule, mode: str | None = None) -> tuple[lis
         for i, node in enumerate(unit.outputs):
             env[node] = graph.call_function(operator.getitem, (out, i))
             # the value only: no module stack, which would make the getitem look like an op of
-            # the block to runtime.regions (compile regions outline repeated blocks' ops)
+            # the block to runtime.compiled_blocks (compiled blocks outline repeated blocks' ops)
             env[node].meta = {k: node.meta[k] for k in ("val", "tensor_meta") if k in node.meta}
     gm.graph = graph
     return [r.name for r in regions], dropped

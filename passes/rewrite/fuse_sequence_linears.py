@@ -1,7 +1,7 @@
 """Fuse a sequence-parallel gather into the column-parallel linears it feeds.
 
 After :mod:`insert_collectives`, a Megatron-SP chain starts with
-``x = gather_into_region(shard)`` feeding ``linear(x, w_q)``, ``linear(x, w_k)``, ... Autograd
+``x = gather_into_chain(shard)`` feeding ``linear(x, w_q)``, ``linear(x, w_k)``, ... Autograd
 would keep the gathered ``x`` (world size times the shard) alive until backward for the weight
 gradients. :func:`tpcompile.runtime.collectives.gathered_linears` computes the same linears but saves
 only the shard and gathers it again in backward, as Megatron-LM does, so the activation memory
@@ -41,7 +41,7 @@ def _hoist(node: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> None:
 def fuse_sequence_linears_pass(gm: fx.GraphModule) -> fx.GraphModule:
     g = gm.graph
     for gather in list(g.nodes):
-        if gather.target is not C.gather_into_region:
+        if gather.target is not C.gather_into_chain:
             continue
         users = list(gather.users)
         if not users or not all(_is_linear_of(u, gather) for u in users):

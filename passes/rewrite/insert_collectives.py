@@ -8,7 +8,7 @@
   that need the same value in the same placement share one conversion, so a value feeding q,
   k and v is converted once.
 * Each replicated value whose gradient arrives as per-rank partial sums gets one
-  ``copy_to_region`` (Megatron *f*) in front of the consumers that make it partial; weights
+  ``copy_into_chain`` (Megatron *f*) in front of the consumers that make it partial; weights
   with replicated blocks get ``sync_grad_pieces`` on those blocks, one per repeated block.
 """
 
@@ -69,11 +69,11 @@ class _Converter:
             return g.call_function(C.zero_summand, (x, self.rank == 0))
         if isinstance(src, Partial):
             x = g.call_function(C.all_reduce, (x, self.group))
-            return g.call_function(C.copy_to_region, (x, self.group)) if sum_grads else x
+            return g.call_function(C.copy_into_chain, (x, self.group)) if sum_grads else x
         if isinstance(dst, Replicate):
             if isinstance(src, Shard):
                 args = gather_args(self.specs, src.layout, self.rank, ws)
-                gather = C.gather_into_region if sum_grads else C.all_gather
+                gather = C.gather_into_chain if sum_grads else C.all_gather
                 x = g.call_function(gather, (x, src.dim) + args + (ws, self.group))
             return x
         assert isinstance(dst, Shard), dst
@@ -245,16 +245,16 @@ def _replicated_pieces(specs: Specs, layout, rank: int) -> list[tuple[int, int]]
 
 def _insert_grad_syncs(gm: fx.GraphModule, plan: ShardingPlan, nodes: dict, order: dict,
                        group: str) -> dict[str, fx.Node]:
-    """One ``copy_to_region`` (*f*) per bucket of gradient-synced values, read by the users
+    """One ``copy_into_chain`` (*f*) per bucket of gradient-synced values, read by the users
     the plan lists; returns value name -> its synced copy."""
     g = gm.graph
     f_of = {}
     for bucket in _grad_sync_buckets(gm, plan, nodes, order):
         with g.inserting_before(min((u for _, us in bucket for u in us), key=order.__getitem__)):
             if len(bucket) == 1:
-                synced = [g.call_function(C.copy_to_region, (bucket[0][0], group))]
+                synced = [g.call_function(C.copy_into_chain, (bucket[0][0], group))]
             else:
-                call = g.call_function(C.copy_all_to_region, ([v for v, _ in bucket], group))
+                call = g.call_function(C.copy_all_into_chain, ([v for v, _ in bucket], group))
                 synced = [g.call_function(operator.getitem, (call, i)) for i in range(len(bucket))]
         for (value, users), f in zip(bucket, synced):
             f_of[value.name] = f

@@ -31,7 +31,7 @@ def _swap(value, src: torch.device, dst: torch.device):
 
 def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """``gm`` and the graphs nested in it (the bodies of ``wrap_with_set_grad_enabled`` and
-    other higher-order ops, which torch 2.11's export emits around ``no_grad`` regions)."""
+    other higher-order ops, which torch 2.11's export emits around ``no_grad`` scopes)."""
     return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tpcompile.tools import models
 from tpcompile.tools.cli import main
-from tpcompile.inspect.explain import Report
+from tpcompile.inspect.explain.explain import Report
 
 FACTORIES = textwrap.dedent("""
     import torch

@@ -3,7 +3,7 @@
 For a small Llama (float32), parallelized over all ranks with each activation-checkpointing
 mode, and at 4 ranks also as TP 2 x FSDP2 2 on a (dp, tp) mesh: the bytes of this rank's
 parameters, of its gradients after one backward, of AdamW's state after one step, and what
-the forward leaves alive for backward (:func:`tpcompile.inspect.retained.retained_bytes`).
+the forward leaves alive for backward (:func:`tpcompile.inspect.advise.retained.retained_bytes`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import tpcompile
-from tpcompile.inspect.retained import retained_bytes
+from tpcompile.inspect.advise.retained import retained_bytes
 from tpcompile.tools import models
 
 CONFIG = {"n_layers": 2, "dim": 128, "hidden": 512, "n_heads": 8, "n_kv_heads": 2,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gloo import advise_workers as w
-from tpcompile.inspect.advise import advise
-from tpcompile.inspect.costs import CostModel
+from tpcompile.inspect.advise.advise import advise
+from tpcompile.inspect.advise.costs import CostModel
 from tpcompile.passes.planner.devices import DEVICES
 from tpcompile.tools import models
 from tpcompile.tools.launch import run_on_ranks

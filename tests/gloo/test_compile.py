@@ -109,7 +109,7 @@ def test_generated_code_issues_exactly_the_planned_collectives(results, ws, name
     """One forward and one backward module; each plan collective is one _c10d_functional call."""
     for c in _case(results[_launch_of(ws, name)], f"{path}_{name}"):
         assert c["n_codes"] == 2
-        assert c["region_bodies"] == [{}, {}]  # one block: nothing to share, the graph is flat
+        assert c["compiled_block_bodies"] == [{}, {}]  # one block: nothing shared, the graph flat
         assert c["forward"] == c["planned"]["forward"]
         assert c["backward"] == c["planned"]["backward"]
         assert c["forward"]  # the plan does communicate
@@ -153,16 +153,16 @@ def test_backend_first_call_is_exact_and_leaves_only_shards(results, ws, name):
 
 @pytest.mark.parametrize("path", ["tp", pytest.param("backend", marks=pytest.mark.slow)])
 def test_repeated_blocks_run_one_compiled_body_with_the_planned_collectives(blocks, path):
-    """Two identical blocks: the forward and the backward module each define one region body
+    """Two identical blocks: the forward and the backward module each define one compiled block body
     and call it twice; its collectives, counted per call, are the plan's; numerics as flat."""
     for c in _case(blocks[path], path):
         _assert_matches_unsharded(c)
         assert c["n_codes"] == 2
-        assert [list(bodies.values()) for bodies in c["region_bodies"]] == [[2], [2]]
+        assert [list(bodies.values()) for bodies in c["compiled_block_bodies"]] == [[2], [2]]
         assert c["forward"] == c["planned"]["forward"]
         assert c["backward"] == c["planned"]["backward"]
         if path == "tp":
-            assert c["region_calls"] == 2
+            assert c["compiled_block_calls"] == 2
             err, graphs = c["calls"][(2, 8)]
             assert graphs == 0 and err <= 1e-5
         else:

@@ -49,8 +49,8 @@ def test_a_rank_that_cannot_plan_stops_the_others(ranks):
 def test_rewritten_collectives_are_compared_too(ranks):
     m = ranks[0]["other_collectives"]
     assert m == ranks[1]["other_collectives"]
-    assert "rank 0: collective 1: all_reduce = all_reduce" in m  # collective 0: f (copy_to_region)
-    assert "rank 1: collective 1: all_reduce = copy_to_region" in m
+    assert "rank 0: collective 1: all_reduce = all_reduce" in m  # collective 0: f (copy_into_chain)
+    assert "rank 1: collective 1: all_reduce = copy_into_chain" in m
 
 
 def test_ranks_with_other_weights_are_warned_about(ranks):

@@ -102,7 +102,7 @@ def test_groups_repeated_to_heads_stay_cut(results, ws):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_whole_chunk_differentiated_whole_stays_replicated(results, ws):
     """A kv head every rank computes whole, also read by the residual stream: sharded, the
-    region's gradient sync would count the residual's gradient once per rank (gradient error
+    chain's gradient sync would count the residual's gradient once per rank (gradient error
     1.0); the planner keeps the fused weight whole and says why (its numerics: above)."""
     c = cases(results, ws, "whole_kv_read_whole")[0]
     assert c["styles"]["qkv.weight"] == "replicate"

@@ -94,7 +94,7 @@ def test_in_place_ops_stay_sharded(runs, ws):
 
 
 @pytest.mark.parametrize("ws", CATALOGUE_AT)
-def test_writes_into_sharded_slices_keep_the_region_replicated(runs, ws):
+def test_writes_into_sharded_slices_keep_the_chain_replicated(runs, ws):
     r = _catalogue(runs, ws, "slice_assign")
     assert set(r["styles"].values()) == {"replicate"}
     assert "slice" in r["reasons"]["fc1.weight"] or "fill_" in r["reasons"]["fc1.weight"]

@@ -76,7 +76,7 @@ class GroupsRepeatedToHeads(nn.Module):
 class WholeKVReadWhole(nn.Module):
     """GPT-BigCode's fused qkv with one kv head, which every rank computes whole for its query
     heads, and whose key also feeds the residual stream: there every rank differentiates it
-    whole, and the region's gradient sync would count that gradient once per rank. The fused
+    whole, and the chain's gradient sync would count that gradient once per rank. The fused
     weight stays replicated."""
 
     def __init__(self, dim=32, heads=4):
@@ -560,7 +560,7 @@ def _phases(codes: list[str]) -> dict:
     return {"n_codes": len(codes), "forward": collectives_in_code(fw[0]) if fw else None,
             "backward": collectives_in_code(bw[0]) if bw else None,
             "in_flight": matmuls_in_flight(bw[0]) if bw else [],
-            "region_bodies": [subgraph_calls(c) for c in fw[:1] + bw[:1]]}
+            "compiled_block_bodies": [subgraph_calls(c) for c in fw[:1] + bw[:1]]}
 
 
 def matmuls_in_flight(code: str) -> list[int]:
@@ -611,15 +611,16 @@ def _compiled_tp(name: str, dynamic: bool, overlap: bool | None, layers: int = 1
     model = tiny(name, layers)
     inputs = models.example_inputs(model, 2, 8)
     tp = tpcompile.parallelize(model, inputs)
-    tp.compile_regions = layers > 1
+    tp.compiled_blocks = layers > 1
     if dynamic:
         tpcompile.mark_dynamic(tp, *inputs)
     step = torch.compile(tp, fullgraph=True,
-                         options=tpcompile.compile_options(overlap, regions=tp.compile_regions))
+                         options=tpcompile.compile_options(overlap,
+                                                           compiled_blocks=tp.compiled_blocks))
     _, codes = run_and_get_code(compare, model, step, inputs)
     shapes = [(2, 8), (3, 8), (2, 12), (4, 16), (1, 8), (1, 5)] if dynamic else [(2, 8), (2, 8)]
     out = {**_phases(codes), "calls": _calls_at_shapes(step, model, shapes),
-           "region_calls": tp.region_calls}
+           "compiled_block_calls": tp.compiled_block_calls}
     tp.zero_grad()
     return {**out, **_comparison(compare(model, step, inputs, steps=3))}
 
@@ -671,8 +672,8 @@ def _compiled_by_backend(name: str, backend, layers: int = 1) -> dict:
 
 
 def compiled_blocks(rank: int, world_size: int, name: str, paths: list[str]) -> dict:
-    """Compile paths (``tp``, ``backend``) on ``name`` with two identical blocks (one nested
-    compile region); the backend compiles the graph path 1 compiled, so inductor's FX graph
+    """Compile paths (``tp``, ``backend``) on ``name`` with two identical blocks (one compiled
+    block); the backend compiles the graph path 1 compiled, so inductor's FX graph
     cache serves it when both run."""
     jobs = {"tp": (_compiled_tp, (name, False, False, 2)),
             "backend": (_compiled_by_backend, (name, "tpcompile", 2))}

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tpcompile.api import plan_model
-from tpcompile.inspect.advise import SCHEMA, _repeat, advise
-from tpcompile.inspect.costs import CostModel
+from tpcompile.inspect.advise.advise import SCHEMA, _repeat, advise
+from tpcompile.inspect.advise.costs import CostModel
 from tpcompile.passes.planner.devices import PRESETS, Device
-from tpcompile.inspect.explain import explain
+from tpcompile.inspect.explain.explain import explain
 from tpcompile.tools import models
 from tpcompile.tools.cli import main
 

@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from tpcompile.inspect.advise import advise
-from tpcompile.inspect.costs import CostModel
+from tpcompile.inspect.advise.advise import advise
+from tpcompile.inspect.advise.costs import CostModel
 from tpcompile.passes.planner.devices import DEVICES
 from tpcompile.passes.planner.devices import device_for
 from tpcompile.passes.planner.experts.cost import expert_costs

@@ -22,7 +22,7 @@ def test_uneven_shards_give_every_rank_the_same_fingerprint():
     calls = [text.split(" = ")[1] for what, text in entries[0] if what.startswith("collective ")]
     # g and f of attention and MLP; the attention's f also sums the gradients of k and v,
     # computed whole on every rank from the 2 KV heads kept whole on 4 ranks
-    assert sorted(calls) == ["all_reduce"] * 2 + ["copy_all_to_region", "copy_to_region"]
+    assert sorted(calls) == ["all_reduce"] * 2 + ["copy_all_into_chain", "copy_into_chain"]
 
 
 def test_the_first_differing_entry_is_found():

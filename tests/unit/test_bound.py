@@ -1,4 +1,4 @@
-"""Megatron's bound derived from the model (tpcompile/inspect/bound.py) against Megatron's plans
+"""Megatron's bound derived from the model (tpcompile/inspect/bound/bound.py) against Megatron's plans
 known independently: the idiom corpus's hand-written ``Expect`` (styles and all-reduces per
 layer), the built-in models, LoRA and quantized copies (the base model's plan), and the
 ``base_model_tp_plan`` transformers ships with its models. Capture only: nothing is planned.
@@ -13,7 +13,7 @@ from fnmatch import fnmatch
 import pytest
 
 from tpcompile.core.capture import capture
-from tpcompile.inspect.bound import megatron_bound
+from tpcompile.inspect.bound.bound import megatron_bound
 from tpcompile.passes import pipeline
 from tpcompile.tools import models
 from zoo import idioms, lora_models, quant_models
@@ -153,7 +153,7 @@ def test_syncs_that_wait_through_the_models_own_code_are_not_bucketed():
     plan above the bound."""
     pytest.importorskip("transformers")
     from bench.hf_configs import build, example_ids
-    from tpcompile.inspect.explain import explain
+    from tpcompile.inspect.explain.explain import explain
 
     model, ids = build("DoryForCausalLM"), example_ids()
     assert _counts(megatron_bound(captured(model, (ids,)), 2)) == {(8, 8)}

@@ -116,7 +116,7 @@ def test_in_place_ops_on_shards_stay_local():
     assert "clone_default = torch.ops.aten.clone.default(all_reduce)" in gm.code
 
 
-def test_a_write_that_would_land_on_a_copy_keeps_its_region_replicated():
+def test_a_write_that_would_land_on_a_copy_keeps_its_chain_replicated():
     cap, plan = plan_model(cm.SliceAssign(), _x(), 2)
     assert set(plan.styles().values()) == {"replicate"}
     conflicts = write_conflicts(cap.gm, lambda u, v: (u.name, v.name) == ("gelu", "slice_1"))

@@ -32,10 +32,10 @@ def test_unified_diff_shows_shards_constants_and_collectives(llama_diff):
     assert any("view.default(linear, [sym_size_int, sym_size_int_1, 4, 8])" in line for line in added)
     assert any("view.default(linear, [sym_size_int, sym_size_int_1, 8, 8])" in line for line in removed)
     inserted = {c.inserted_as for c in llama_diff.collectives}
-    assert inserted == {"all_reduce", "all_reduce_1", "copy_to_region", "copy_to_region_1"}
+    assert inserted == {"all_reduce", "all_reduce_1", "copy_into_chain", "copy_into_chain_1"}
     for name in inserted:
         assert any(line.strip().startswith(f"{name} = tpcompile_runtime_collectives_") for line in added)
-    assert "# inserted collectives: copy_to_region after mul_1 (backward all_reduce)" in text
+    assert "# inserted collectives: copy_into_chain after mul_1 (backward all_reduce)" in text
     assert "= None" not in text  # the frees are noise
 
 
@@ -47,7 +47,7 @@ def test_each_pass_can_be_diffed_on_its_own(llama_diff):
                              "insert_collectives", "drop_unowned_experts",
                              "clone_converted_writes", "materialize_params",
                              "fuse_bias", "fuse_sequence_linears", "retarget_device"]
-    assert "(no change)" in by_pass["inline_autocast"]  # no autocast region in its forward
+    assert "(no change)" in by_pass["inline_autocast"]  # no autocast scope in its forward
     assert "(no change)" in by_pass["clone_converted_writes"]  # Llama writes nothing in place
     assert "(no change)" in by_pass["drop_unowned_experts"]  # nor has looped experts
     assert "(no change)" in by_pass["functionalize_fresh_writes"]  # nor into fresh buffers

@@ -214,7 +214,7 @@ CHECKPOINTED = {  # name: (build, in CI)
 @pytest.mark.parametrize("case", [_param(k, ci, k) for k, (_, ci) in CHECKPOINTED.items()])
 def test_checkpointed_regions(rank0, case):
     """Full recomputation issues some forward collectives again in backward; the report
-    lists exactly those (tpcompile.inspect.recompute), selective recomputation none."""
+    lists exactly those (tpcompile.inspect.explain.recompute), selective recomputation none."""
     model, inputs, kwargs, options = CHECKPOINTED[case][0]()
     report, _ = check_report_is_the_run(model, inputs, kwargs, **options)
     again = [c for c in report.collectives if c.recomputed]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import tpcompile
-from tpcompile.inspect.plan_block import block_view
+from tpcompile.inspect.explain.plan_block import block_view
 from tpcompile.inspect.trace import trace_rewrite
 from tpcompile.tools import models
 from tpcompile.tools.cli import main

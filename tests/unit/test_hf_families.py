@@ -1,7 +1,7 @@
 """The sweep's representative Hugging Face families, planned in CI (the full sweep runs outside
 it: ``python -m bench.hf_sweep --numerics``). Each is built from its own config shrunk to
 hidden 64 and 2 layers, captured and planned at 2 ranks with meta-free tiny weights; its plan
-must sit at Megatron's bound derived from the model (tpcompile.inspect.bound, as explain
+must sit at Megatron's bound derived from the model (tpcompile.inspect.bound.bound, as explain
 reports it; bench/hf_verdict.py): per layer no more all-reduces than the bound and over the
 model exactly as many (fewer would mean the bound misjudged the family), every weight the bound
 splits split, parameters per rank within 1% of the bound's ideal, no gathers, fallbacks or

@@ -35,7 +35,7 @@ def test_collectives_in_code_counts_calls_not_waits_or_comments():
     assert collectives_in_code(code) == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
-def test_collectives_in_a_nested_region_body_count_once_per_call():
+def test_collectives_in_a_compiled_block_body_count_once_per_call():
     """A repeated block compiled once is one function body called per block (inductor's layout)."""
     code = textwrap.dedent("""\
         def partitioned_fw_subgraph_0_0(args):

@@ -62,7 +62,7 @@ def test_meta_capture_bakes_meta_devices_and_to_empty_retargets_them(buffers):
 
 
 def test_device_constants_in_nested_graphs_are_retargeted_too():
-    """torch 2.11's export puts ``no_grad`` / autocast regions in nested graphs (the bodies of
+    """torch 2.11's export puts ``no_grad`` / autocast scopes in nested graphs (the bodies of
     higher-order ops, submodules of the graph): their factory calls were left on meta."""
     body = fx.Graph()
     x = body.placeholder("x")

@@ -14,7 +14,7 @@ import collections
 import pytest
 import torch
 
-from tpcompile.inspect.explain import explain
+from tpcompile.inspect.explain.explain import explain
 from zoo import lora_models
 
 pytest.importorskip("transformers")

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tpcompile import CaptureError
 from tpcompile.api import plan_model
-from tpcompile.inspect.explain import explain
+from tpcompile.inspect.explain.explain import explain
 from tpcompile.tools import models
 from zoo import quant_models
 

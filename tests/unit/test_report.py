@@ -16,7 +16,7 @@ from tpcompile.tools import models
 from tpcompile.api import plan_model, rewrite
 from tpcompile.passes.rewrite.materialize_params import materialize_params_pass
 from tpcompile.runtime.collectives import COLLECTIVE_FNS, count_collectives
-from tpcompile.inspect.explain import SCHEMA, Report
+from tpcompile.inspect.explain.explain import SCHEMA, Report
 
 from support import workers
 
@@ -96,7 +96,7 @@ def test_collective_bytes_come_from_shapes_and_dtypes(llama4_bf16):
     for c in report.collectives:
         assert c.dtype == "bfloat16"
         assert c.bytes == math.prod(c.shape) * 2
-        if c.inserted_as.startswith("copy_all_to_region"):
+        if c.inserted_as.startswith("copy_all_into_chain"):
             # 2 kv heads on 4 ranks: wk / wv stay whole; the gradients of k and v ride in the
             # all-reduce of the attention input's gradient (one per layer, flattened)
             assert c.shape == [tokens * (cfg.dim + 2 * kv)]
@@ -289,7 +289,7 @@ def test_bucketed_gradient_sync_of_data_dependent_sizes_reports_a_symbolic_messa
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from tpcompile.inspect.traffic import _message_shape
-    from tpcompile.runtime.collectives import copy_all_to_region
+    from tpcompile.runtime.collectives import copy_all_into_chain
 
     env = ShapeEnv()
     with FakeTensorMode(shape_env=env):
@@ -299,7 +299,7 @@ def test_bucketed_gradient_sync_of_data_dependent_sizes_reports_a_symbolic_messa
     nodes = [g.placeholder(name) for name in ("k", "v")]
     for n, val in zip(nodes, (k, v)):
         n.meta["val"] = val
-    call = g.call_function(copy_all_to_region, (nodes, "tp"))
+    call = g.call_function(copy_all_into_chain, (nodes, "tp"))
     (shape,) = _message_shape(call, k)
     assert shape == f"{tokens}*8 + {tokens}*8"
     static = [torch.empty(4, 8, device="meta"), torch.empty(4, 2, device="meta")]
@@ -313,7 +313,7 @@ def test_weights_the_bound_could_not_judge_are_named_never_at_the_bound_silently
     weight with its reason instead of a bare "at the bound", and JSON keeps them."""
     from dataclasses import replace
 
-    from tpcompile.inspect import explain_html
+    from tpcompile.inspect.explain import explain_html
 
     why = "layers.1.attention.wq.weight: its matmul's features have no example size"
     rows = [replace(m, undecided=[why] if m.layer == "layers.1" else []) for m in llama2.megatron]

@@ -25,8 +25,8 @@ def test_llama_view_constants_are_localized(ws):
     assert f"view.default(linear, [sym_size_int, sym_size_int_1, {8 // ws}, 8])" in code
     assert len(calls(gm, C.all_reduce)) == 2
     # one gradient sync per chain; at 4 ranks (2 kv heads) the attention's also sums k and v's
-    assert len(calls(gm, C.copy_to_region)) == {2: 2, 4: 1}[ws]
-    assert len(calls(gm, C.copy_all_to_region)) == {2: 0, 4: 1}[ws]
+    assert len(calls(gm, C.copy_into_chain)) == {2: 2, 4: 1}[ws]
+    assert len(calls(gm, C.copy_all_into_chain)) == {2: 0, 4: 1}[ws]
     assert gm.get_submodule("layers.0.attention").wq.weight.shape == (64 // ws, 64)
 
 
@@ -54,9 +54,9 @@ def test_rewritten_graph_runs_at_world_size_one_per_rank_shapes():
 
 
 def _backward_syncs(gm) -> list[list[str]]:
-    """The values of each gradient all-reduce (one per copy_to_region / copy_all_to_region)."""
-    return ([[n.args[0].name] for n in calls(gm, C.copy_to_region)]
-            + [[v.name for v in n.args[0]] for n in calls(gm, C.copy_all_to_region)])
+    """The values of each gradient all-reduce (one per copy_into_chain / copy_all_into_chain)."""
+    return ([[n.args[0].name] for n in calls(gm, C.copy_into_chain)]
+            + [[v.name for v in n.args[0]] for n in calls(gm, C.copy_all_into_chain)])
 
 
 def test_a_value_computed_from_a_synced_value_shares_its_all_reduce():

@@ -146,7 +146,7 @@ def test_readme_support_table_is_the_measured_one():
 @pytest.mark.parametrize("row", [pytest.param(i, id=r[0]) for i, r in enumerate(ROWS)])
 def test_every_layer_is_at_megatrons_bound(row):
     """No row keeps whole a weight Megatron's plan splits (the bound derived from the model,
-    tpcompile.inspect.bound) or holds more parameter bytes per rank than that plan, and none
+    tpcompile.inspect.bound.bound) or holds more parameter bytes per rank than that plan, and none
     pays more all-reduces per layer than it, at 2 and 4 ranks. Sequence-parallel rows trade
     each all-reduce for a gather and a reduce-scatter: their counts are the table's."""
     for report in _reports()[row]:

@@ -25,8 +25,8 @@ backend returns). So, on the first graph of a module's ``forward``:
    module, whose forward is now the rewritten graph: collectives and local shape constants
    included. The backend sees a :class:`TPModule` frame and hands the graph to inductor with
    :func:`tpcompile.compile_options`. This second call is idempotent by construction. The
-   TPModule's repeated blocks are nested compile regions (``compile_regions``), compiled
-   once, with the inductor option they need (``compile_options(regions=True)``).
+   TPModule's repeated blocks are compiled blocks (``tp.compiled_blocks``), compiled
+   once, with the inductor option they need (``compile_options(compiled_blocks=True)``).
 
 Retracing the *user's* forward with local shards instead (and patching that graph) fails as
 soon as the model hard-codes a global size: the built-in Llama's ``view(B, T, n_heads, hd)``
@@ -55,7 +55,7 @@ from tpcompile.api import parallelize
 from tpcompile.runtime.collectives import all_gather
 from tpcompile.errors import TPCompileError, TPCompileWarning
 from tpcompile.compile.frames import CallLayout, current_code, frame_call, frame_name, where
-from tpcompile.compile.inductor import compile_options, has_regions
+from tpcompile.compile.inductor import compile_options, calls_compiled_blocks
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.core.capture import set_tensor
@@ -139,8 +139,8 @@ class TPCompileBackend:
     def _inductor(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        regions = has_regions(gm)  # the TPModule's repeated blocks (compile.md): a workaround
-        patches = {**compile_options(self.overlap, regions=regions), **self.inductor_options}
+        blocks = calls_compiled_blocks(gm)  # a TPModule's repeated blocks (compile.md): a workaround
+        patches = {**compile_options(self.overlap, compiled_blocks=blocks), **self.inductor_options}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _decide(self, gm, example_inputs, root: nn.Module, frame_args):
@@ -165,7 +165,7 @@ class TPCompileBackend:
                 f"{renamed[0]} is stored under other names once sharded (a tensor subclass "
                 "weight), and the backend swaps shards in by name; call tpcompile.parallelize("
                 "model, inputs) and torch.compile the result"), tp.plan), None
-        tp.compile_regions = True  # repeated blocks compile once; _inductor adds the workaround
+        tp.compiled_blocks = True  # repeated blocks compile once; _inductor adds the workaround
         report = ModuleReport(name, True, "sharded on the first call; forward is the rewritten "
                               "graph (tpcompile.parallelized(model) returns it)", tp.plan)
         return report, _FirstCall(gm, example_inputs, root, tp, layout)

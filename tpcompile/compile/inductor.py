@@ -23,7 +23,7 @@ Three things live here:
   (one extra graph for each dim that takes the value 1).
 * :func:`collectives_in_code`: the collectives of inductor's generated wrapper code, by kind,
   so tests and benchmarks can check them against what the plan promised; a repeated block
-  compiled once as a nested compile region (runtime/regions.py) counts once per call
+  compiled once as a compiled block (runtime/compiled_blocks.py) counts once per call
   (:func:`subgraph_calls`).
 """
 
@@ -34,8 +34,9 @@ import re
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-__all__ = ["OVERLAP_DEFAULT", "OVERLAP_PASSES", "REGIONS_WORKAROUND", "compile_options",
-           "has_regions", "dynamic_dims", "mark_dynamic",
+__all__ = ["OVERLAP_DEFAULT", "OVERLAP_PASSES", "COMPILED_BLOCKS_WORKAROUND",
+           "REGIONS_WORKAROUND", "compile_options",
+           "calls_compiled_blocks", "dynamic_dims", "mark_dynamic",
            "collective_kind", "collectives_in_code", "subgraph_calls"]
 
 # Inductor's scheduler passes (torch/_inductor/comms.py), the list its config recommends: move
@@ -52,32 +53,36 @@ OVERLAP_DEFAULT = False
 
 
 # torch 2.13's inductor with buffer reuse on gives wrong gradients for a backward through
-# nested compile regions of a TP block (every gradient off by 1-50% on the 2-block Llama; the
-# forward is right, aot_eager and the min-cut partition alone are right): regions need it off.
-REGIONS_WORKAROUND = {"allow_buffer_reuse": False}
+# compiled blocks of a TP model (every gradient off by 1-50% on the 2-block Llama; the forward
+# is right, aot_eager and the min-cut partition alone are right): compiled blocks need it off.
+COMPILED_BLOCKS_WORKAROUND = {"allow_buffer_reuse": False}
+REGIONS_WORKAROUND = COMPILED_BLOCKS_WORKAROUND  # its name before 'region' meant checkpoints only
 
 
-def compile_options(overlap: bool | None = None, regions: bool = False) -> dict:
+def compile_options(overlap: bool | None = None, compiled_blocks: bool = False,
+                    regions: bool = False) -> dict:
     """Inductor options for compiling a tensor-parallel graph (``torch.compile(options=...)``).
 
     Args:
         overlap: reorder collectives for communication/computation overlap; None takes
             ``OVERLAP_DEFAULT``, the setting the benchmark measured faster.
-        regions: the graph runs repeated blocks as nested compile regions
-            (``tp.compile_regions = True``): turns off inductor's buffer reuse, which torch
-            2.13 gets wrong there (``REGIONS_WORKAROUND``).
+        compiled_blocks: the graph runs repeated blocks as compiled blocks (calls of one
+            ``torch.compiler.nested_compile_region``, ``tp.compiled_blocks = True``): turns
+            off inductor's buffer reuse, which torch 2.13 gets wrong there
+            (``COMPILED_BLOCKS_WORKAROUND``).
+        regions: the same as ``compiled_blocks`` (its documented former name).
     """
     if overlap is None:
         overlap = OVERLAP_DEFAULT
-    out = dict(REGIONS_WORKAROUND) if regions else {}
+    out = dict(COMPILED_BLOCKS_WORKAROUND) if compiled_blocks or regions else {}
     if overlap:
         out.update({"reorder_for_compute_comm_overlap": True,
                     "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)})
     return out
 
 
-def has_regions(gm: torch.fx.GraphModule) -> bool:
-    """``gm`` (a Dynamo graph) calls a nested compile region."""
+def calls_compiled_blocks(gm: torch.fx.GraphModule) -> bool:
+    """``gm`` (a Dynamo graph) calls a compiled block (a nested compile region's body)."""
     return any(n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
                for n in gm.graph.nodes)
 

@@ -12,16 +12,18 @@ parameter name; the callers differ only in which blocks count:
   (``passes/rewrite/checkpoint_regions.py``), ``outline_blocks`` (FSDP2 per block) and the
   gradient-sync buckets of ``insert_collectives``;
 - the blocks whose class the graph calls at two or more paths, each only where its own call
-  is on the node's stack (``called``): the compiled regions of :mod:`tpcompile.runtime.regions`,
-  since only identical calls can share one compiled body;
+  is on the node's stack (``called``): the compiled blocks of
+  :mod:`tpcompile.runtime.compiled_blocks`, since only identical calls can share one compiled
+  body;
 - the outermost block of a name, whatever its list's length (:func:`block_path`): the chain
   report, ``explain``'s per-block views and Megatron's bound, which judge a model of one
   block by that block.
 
-The words: a *block* is what a node runs in; a *region* is the planner's (Megatron's sharded
-region: the ops cut from one group of column roots) or a run of ops outlined into one call (a
-checkpointed region, a compiled region), never a block; a *layer* is one of the package's
-import layers (:mod:`tpcompile.layers`).
+The words (docs/design.md, "Words"): a *block* is what a node runs in; a *compiled block* is
+one call of a repeated block outlined for torch.compile; a *region* is a checkpointed region
+only (torch.utils.checkpoint's word); a *chain* is the planner's column -> row run (the ops cut
+from one group of column roots); a *layer* is one of the package's import layers
+(:mod:`tpcompile.layers`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def block_of(node: fx.Node, paths, called: bool = False) -> str | None:
     """The block of ``paths`` (outermost first) whose module, or a submodule of it, ``node``
     was traced in, asking the module it was traced in first; for a parameter or buffer
     (``get_attr``), the block its name is under. ``called``: only a block whose own call is on
-    the node's module stack counts, the outermost (a compiled region is a block's call; a
+    the node's module stack counts, the outermost (a compiled block is a block's call; a
     block's submodule the model calls from outside the block is not in it)."""
     if node.op == "get_attr":
         names = [node.target]

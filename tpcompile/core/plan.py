@@ -94,7 +94,7 @@ class ParamPlan:
     placement: Placement
     global_shape: tuple[int, ...]
     local_shapes: tuple[tuple[int, ...], ...]  # per rank
-    grad_sync: bool                   # its gradient is all-reduced (replicated inside a region)
+    grad_sync: bool                   # its gradient is all-reduced (replicated inside a chain)
     reason: str
 
 
@@ -103,7 +103,7 @@ class Conversion:
     """A value that a consumer needs in another placement: the collectives of the plan.
 
     ``sum_grads``: the consumer differentiates the converted (replicated) value only partially
-    per rank (it feeds a sharded region), so the conversion's backward must sum over ranks:
+    per rank (it feeds a sharded chain), so the conversion's backward must sum over ranks:
     a gather's backward becomes a reduce-scatter, an all-reduce's backward an all-reduce.
 
     ``kind`` names what it costs: ``all_reduce`` (+``slice``), ``all_gather`` (+``slice``),

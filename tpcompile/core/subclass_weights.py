@@ -6,7 +6,7 @@ planner cannot cut such a weight: it reports the outer dtype (float32), and the 
 it have no rule. Each part is a plain tensor, though, and the graph after the access is plain
 ATen (a cast, a matmul, a multiply by scales): stored as a buffer of its own, each part is
 planned like any other tensor (an int8 ``qdata`` is a quantized weight:
-:mod:`tpcompile.passes.planner.quantized`).
+:mod:`tpcompile.passes.planner.rules.quantized`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chains: the column -> row parallel regions of a plan, recovered from the graph.
+"""Chains: the column -> row parallel runs of a plan, recovered from the graph.
 
 The plan records placements per node and a root (a column-parallel weight's output features)
 per shard layout, but not which roots work together: q, k and v of one attention are three
@@ -20,7 +20,7 @@ from tpcompile.core.capture import module_path
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.propagate import SEQUENCE, view_chain
-from tpcompile.passes.planner.quantized import dequantized_readers, dequantized_weight
+from tpcompile.passes.planner.rules.quantized import dequantized_readers, dequantized_weight
 from tpcompile.passes.planner.rules import is_param_matmul, is_sum
 
 __all__ = ["Chain", "find_chains"]
@@ -32,7 +32,7 @@ class Chain:
     layer: str                  # the repeated block it sits in, e.g. "layers.0" ("" if none)
     colwise: tuple[str, ...]    # sharded parameters by style (aliases not repeated)
     rowwise: tuple[str, ...]
-    replicated_blocks: tuple[str, ...]  # weights replicated inside the region (few KV heads)
+    replicated_blocks: tuple[str, ...]  # weights replicated inside the chain (few KV heads)
     entries: tuple[str, ...]    # replicated activations entering its column-parallel matmuls
     exits: tuple[str, ...]      # its row-parallel matmuls (their outputs are partial sums)
     nodes: frozenset[str]       # every node that reads or produces this chain's shards

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from tpcompile.core.capture import Capture, concrete_shape, module_path
-from tpcompile.inspect.bound import Bound, megatron_bound
+from tpcompile.inspect.bound.bound import Bound, megatron_bound
 from tpcompile.inspect.chains import Chain, find_chains
 from tpcompile.errors import TPCompileError
 from tpcompile.passes import pipeline

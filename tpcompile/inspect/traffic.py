@@ -8,7 +8,7 @@ conversions shared by several consumers counted once. Sizes come from the captur
 ``bytes`` is the size of the whole tensor a collective reduces or assembles (what nccl-tests
 calls the message size); a ring all-reduce moves about 2(N-1)/N of it per rank.
 
-Megatron's minimum per repeated block is :mod:`tpcompile.inspect.bound`'s, derived from the
+Megatron's minimum per repeated block is :mod:`tpcompile.inspect.bound.bound`'s, derived from the
 model and not from the plan; a weight it splits that the plan keeps whole is named in the
 block's row (``whole``). Collectives outside the blocks have no bound: their row's bound is
 what they cost.
@@ -26,7 +26,7 @@ from tpcompile.core.block_paths import block_path
 from tpcompile.core.placement import Shard
 from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.collectives import (
-    COLLECTIVE_FNS, copy_all_to_region, issued, sync_grad_pieces,
+    COLLECTIVE_FNS, copy_all_into_chain, issued, sync_grad_pieces,
 )
 from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, source_node
 
@@ -90,7 +90,7 @@ def _message_shape(call: fx.Node, value) -> list:
             whole = concrete_shape(w.meta["val"])
             sizes.append(math.prod(whole) // whole[dim] * sum(e - s for s, e in pieces))
         return [sum(sizes)]
-    if call.target is copy_all_to_region:  # every value's gradient, flattened
+    if call.target is copy_all_into_chain:  # every value's gradient, flattened
         shapes = [concrete_shape(v.meta["val"]) for v in call.args[0]]
         if all(isinstance(d, int) for shp in shapes for d in shp):
             return [sum(math.prod(shp) for shp in shapes)]
@@ -123,7 +123,7 @@ def list_collectives(trace: RewriteTrace, recomputed: set = frozenset()) -> list
     """Every collective the rank's graph issues per forward and per backward, in graph order;
     a gradient sync the backward never reaches (its value carries no gradient, or none comes
     back to it) is not listed: it never runs. The forward collectives of the calls in
-    ``recomputed`` (:func:`~tpcompile.inspect.recompute.recomputed_calls`) are listed again
+    ``recomputed`` (:func:`~tpcompile.inspect.explain.recompute.recomputed_calls`) are listed again
     in backward, marked ``recomputed``."""
     out, layers, reached = [], _layers(trace), backward_nodes(trace.gm)
     for call in trace.gm.graph.nodes:

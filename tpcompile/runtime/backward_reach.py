@@ -1,6 +1,6 @@
 """Which nodes of a graph take part in its backward: a gradient sync runs only there.
 
-An inserted call's backward collective (``copy_to_region``'s all-reduce, a gather's
+An inserted call's backward collective (``copy_into_chain``'s all-reduce, a gather's
 reduce-scatter) runs only if autograd reaches the call: its value must carry a gradient (it
 depends on a trainable parameter or an input that requires grad, outside ``no_grad``) and
 the gradient must come back to it (it leads to a floating output through differentiable

@@ -7,7 +7,7 @@ eagerly on any ``torch.distributed`` backend and traces into inductor under ``to
 The backward of each is chosen for tensor parallelism's gradient convention, not as the
 mathematical adjoint: a replicated value's gradient is *whole* on every rank (every rank
 computes the same replicated loss). Hence ``all_reduce``'s backward is the identity (Megatron
-*g*) and ``copy_to_region``'s backward is an all-reduce (Megatron *f*); plain
+*g*) and ``copy_into_chain``'s backward is an all-reduce (Megatron *f*); plain
 ``funcol.all_reduce`` would all-reduce both ways and multiply gradients by the world size.
 """
 
@@ -19,7 +19,7 @@ from tpcompile.errors import CollectiveError
 from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.runtime.timeouts import collective_failure
 
-__all__ = ["all_reduce", "plain_all_reduce", "zero_summand", "copy_to_region", "copy_all_to_region", "sync_grad_pieces", "all_gather", "gather_into_region",
+__all__ = ["all_reduce", "plain_all_reduce", "zero_summand", "copy_into_chain", "copy_all_into_chain", "sync_grad_pieces", "all_gather", "gather_into_chain",
            "reduce_scatter",
            "COLLECTIVE_FNS", "count_collectives", "issued"]
 
@@ -57,8 +57,8 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """f: forward identity into a sharded region; backward sums the ranks' partial gradients."""
+class _CopyIntoChain(torch.autograd.Function):
+    """f: forward identity into a sharded chain; backward sums the ranks' partial gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -76,7 +76,7 @@ def _all_reduce_together(tensors: list, group: str) -> list:
     return [s.view_as(t) for s, t in zip(summed.split([t.numel() for t in tensors]), tensors)]
 
 
-class _CopyAllToRegion(torch.autograd.Function):
+class _CopyAllIntoChain(torch.autograd.Function):
     """f for several values at once (a block's replicated k and v): their gradients' partial
     sums are reduced in one all-reduce."""
 
@@ -141,18 +141,18 @@ def zero_summand(x: torch.Tensor, keep: bool) -> torch.Tensor:
     return _ZeroSummand.apply(x, keep)
 
 
-def copy_all_to_region(xs: list, group: str) -> tuple:
-    """Several replicated values entering sharded regions: one gradient all-reduce for all."""
-    return _CopyAllToRegion.apply(group, *xs)
+def copy_all_into_chain(xs: list, group: str) -> tuple:
+    """Several replicated values entering sharded chains: one gradient all-reduce for all."""
+    return _CopyAllIntoChain.apply(group, *xs)
 
 
-def copy_to_region(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Replicate value entering a sharded region (Megatron f)."""
-    return _CopyToRegion.apply(x, group)
+def copy_into_chain(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Replicate value entering a sharded chain (Megatron f)."""
+    return _CopyIntoChain.apply(x, group)
 
 
 def sync_grad_pieces(weights: list, dims: list, pieces: list, group: str) -> tuple:
-    """Weights whose ``pieces`` along ``dims`` are replicated on every rank inside a region:
+    """Weights whose ``pieces`` along ``dims`` are replicated on every rank inside a chain:
     their gradients' pieces are summed over the ranks in one all-reduce."""
     return _SyncGradPieces.apply(dims, pieces, group, *weights)
 
@@ -201,7 +201,7 @@ def _sum_own_slice(grad: torch.Tensor, dim: int, index, mine, keep, group_size: 
 
 class _Gather(torch.autograd.Function):
     """Shard -> Replicate. Backward keeps this rank's slice of the whole gradient; when the
-    result feeds a sharded region (``sum_grads``) the gradient is a per-rank partial sum, so it
+    result feeds a sharded chain (``sum_grads``) the gradient is a per-rank partial sum, so it
     is summed first (a reduce-scatter: Megatron-SP's all-gather)."""
 
     @staticmethod
@@ -249,9 +249,9 @@ def all_gather(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_s
     return _Gather.apply(x, dim, width, index, mine, keep, group_size, group, False)
 
 
-def gather_into_region(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
+def gather_into_chain(x: torch.Tensor, dim: int, width: int, index, mine, keep, group_size: int,
                        group: str) -> torch.Tensor:
-    """:func:`all_gather` whose result feeds a sharded region (gradients summed on the way back)."""
+    """:func:`all_gather` whose result feeds a sharded chain (gradients summed on the way back)."""
     return _Gather.apply(x, dim, width, index, mine, keep, group_size, group, True)
 
 
@@ -266,11 +266,11 @@ def reduce_scatter(x: torch.Tensor, dim: int, width: int, index, mine, group_siz
 COLLECTIVE_FNS = {
     all_reduce: (("all_reduce",), ()),
     plain_all_reduce: (("all_reduce",), ()),  # a max / min partial's (no gradient flows)
-    copy_to_region: ((), ("all_reduce",)),
-    copy_all_to_region: ((), ("all_reduce",)),
+    copy_into_chain: ((), ("all_reduce",)),
+    copy_all_into_chain: ((), ("all_reduce",)),
     sync_grad_pieces: ((), ("all_reduce",)),
     all_gather: (("all_gather",), ()),
-    gather_into_region: (("all_gather",), ("reduce_scatter",)),
+    gather_into_chain: (("all_gather",), ("reduce_scatter",)),
     reduce_scatter: (("reduce_scatter",), ("all_gather",)),
 }
 
@@ -346,4 +346,4 @@ def gathered_linears(x, dim, width, index, mine, keep, group_size, group, *weigh
 
 COLLECTIVE_FNS[gathered_linears] = (("all_gather",), ("all_gather", "reduce_scatter"))
 # calls whose reduce-scatter is an all-reduce when their shards carry an index (see issued)
-_SCATTERS_BY_INDEX = {reduce_scatter, gather_into_region, gathered_linears}
+_SCATTERS_BY_INDEX = {reduce_scatter, gather_into_chain, gathered_linears}

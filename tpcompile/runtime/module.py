@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from tpcompile.errors import CaptureError, TPCompileError
 from tpcompile.runtime.calls import CallCheck
 from tpcompile.runtime.inputs import InputSpec
-from tpcompile.runtime.regions import regional_graph
+from tpcompile.runtime.compiled_blocks import compiled_blocks_graph
 from tpcompile.runtime.signatures import MAX_SIGNATURES, bind_tensors, exact_fit, written_buffers
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import ShardingPlan
@@ -45,7 +45,7 @@ class TPModule(nn.Module):
         gm._parameters, gm._buffers = self._parameters, self._buffers
         object.__setattr__(self, "graph_module", gm)  # not a child: names stay the model's
         self.plan, self.rank, self.group = plan, rank, group
-        # the names of the regions recomputed in backward (activation_checkpointing)
+        # the names of the checkpointed regions recomputed in backward (activation_checkpointing)
         self.checkpointed_regions = checkpointed_regions
         # (block list path, blocks) when the capture repeated blocks (core.stamp), else None
         self.reused_blocks = reused_blocks
@@ -64,14 +64,22 @@ class TPModule(nn.Module):
         # generate()'s static-cache modules by (batch, cache length), least recently used
         # first (runtime/cache_modules.py)
         object.__setattr__(self, "generation_modules", OrderedDict())
-        # what a compiled call runs: identical blocks outlined into one nested compile region,
-        # so Dynamo/AOT/inductor compile one block body, not one per layer (runtime/regions.py)
-        regional, calls = regional_graph(gm)
-        object.__setattr__(self, "regional_graph_module", regional)
-        self.region_calls = calls
-        # opt-in: torch.compile(tp, options=tpcompile.compile_options(regions=True)) must go
-        # with it (inductor's buffer reuse is wrong there in torch 2.13; the backend does both)
-        self.compile_regions = False
+        # what a compiled call runs: identical blocks outlined into calls of one compiled
+        # block, so Dynamo/AOT/inductor compile one block body, not one per layer
+        # (runtime/compiled_blocks.py)
+        outlined, calls = compiled_blocks_graph(gm)
+        object.__setattr__(self, "compiled_blocks_graph_module", outlined)
+        self.compiled_block_calls = calls
+        # opt-in: torch.compile(tp, options=tpcompile.compile_options(compiled_blocks=True))
+        # must go with it (inductor's buffer reuse is wrong there in torch 2.13; the backend
+        # does both)
+        self.compiled_blocks = False
+
+    # the documented former names of the three attributes above (docs/compile.md)
+    compile_regions = property(lambda self: self.compiled_blocks,
+                               lambda self, on: setattr(self, "compiled_blocks", on))
+    region_calls = property(lambda self: self.compiled_block_calls)
+    regional_graph_module = property(lambda self: self.compiled_blocks_graph_module)
 
     def forward(self, *args, **kwargs):
         if self.plan.inference_only and not torch.compiler.is_compiling():
@@ -85,8 +93,8 @@ class TPModule(nn.Module):
             self.call_check.check_random()
             self.call_check.track_backward(outputs)
             return outputs
-        if self.compile_regions:
-            return self.regional_graph_module(*args, **kwargs)
+        if self.compiled_blocks:
+            return self.compiled_blocks_graph_module(*args, **kwargs)
         return self._graph_for(args, kwargs)[1](*args, **kwargs)
 
     def _refuse_backward(self, args, kwargs) -> None:

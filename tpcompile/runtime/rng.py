@@ -1,7 +1,7 @@
-"""Randomness in sharded regions: dropout that keeps replicas consistent.
+"""Randomness in sharded chains: dropout that keeps replicas consistent.
 
-Replicated regions must draw the same random numbers on every rank (their activations are
-replicas), so every rank must consume the default generator identically. Sharded regions hold
+Replicated code must draw the same random numbers on every rank (their activations are
+replicas), so every rank must consume the default generator identically. Sharded chains hold
 different data per rank, and their local shapes can differ (uneven shards). Two rewrites keep
 both true:
 

@@ -4,7 +4,7 @@
 only, so every rank would clip by a different, too small norm. The global norm is the norm of
 the unsharded gradients: a sharded gradient contributes each of its global indices once (from
 the rank that owns it, see :mod:`tpcompile.core.shards`, since blocks replicated inside a sharded
-region are held by several ranks), and a replicated gradient, which is whole and equal on
+chain are held by several ranks), and a replicated gradient, which is whole and equal on
 every rank (Megatron's convention), contributes once, computed locally without communication.
 One all-reduce of a scalar per call (two under FSDP2: over tp, then over dp).
 """

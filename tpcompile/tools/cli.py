@@ -154,7 +154,7 @@ def _load(args):
 
 
 def _explain(args) -> int:
-    from tpcompile.inspect.explain import explain
+    from tpcompile.inspect.explain.explain import explain
 
     target, progress = _load(args)
     result = explain(target.model, target.inputs, args.world_size, rank=args.rank, progress=progress,
@@ -179,7 +179,7 @@ def _write(path: str, text: str) -> None:
 
 
 def _diff(args) -> int:
-    from tpcompile.inspect.diff import diff
+    from tpcompile.inspect.diff.diff import diff
 
     target, progress = _load(args)
     result = diff(target.model, target.inputs, args.world_size, rank=args.rank,
@@ -195,7 +195,7 @@ def _diff(args) -> int:
 
 
 def _advise(args) -> int:
-    from tpcompile.inspect.advise import advise
+    from tpcompile.inspect.advise.advise import advise
     from tpcompile.tools.cli_targets import load_target, parse_config, parse_shape
 
     cost = _cost_model(args)
@@ -233,7 +233,7 @@ def _cost_model(args):
     """The device preset with the flags' overrides; every number needed must come from one."""
     from dataclasses import replace
 
-    from tpcompile.inspect.costs import CostModel
+    from tpcompile.inspect.advise.costs import CostModel
     from tpcompile.passes.planner.devices import PRESETS, Device
     from tpcompile.tools.cli_targets import UsageError
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from tpcompile.inspect.retained import LiveStorages, storage_keys
+from tpcompile.inspect.advise.retained import LiveStorages, storage_keys
 from tpcompile.runtime.collectives import count_collectives
 
 __all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_bytes",
@@ -182,7 +182,7 @@ def activation_memory(module: nn.Module, inputs: tuple) -> tuple[int, int]:
     selective checkpoint keeps in its own cache (which :func:`saved_activation_bytes` cannot
     see), and the output. *peak*: the most alive at once over the forward and the backward,
     temporaries, recomputations and the gradients included. Tracks storages through a
-    ``TorchDispatchMode`` (:class:`~tpcompile.inspect.retained.LiveStorages`, which
+    ``TorchDispatchMode`` (:class:`~tpcompile.inspect.advise.retained.LiveStorages`, which
     ``advise`` estimates with too), so it works on CPU, where no allocator reports a peak.
     """
     module.zero_grad(set_to_none=True)  # the gradients are allocated, and counted, anew

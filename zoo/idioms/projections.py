@@ -201,7 +201,7 @@ class NormalizedQK(Attention):
 class FullPrecisionQKNorm(Attention):
     """Gemma / Qwen-style per-head q and k RMSNorms run in float32 with autocast switched off
     (``torch.autocast(..., enabled=False)``, as Hugging Face does around RoPE): export captures
-    the region as a ``wrap_with_autocast`` call of a submodule."""
+    the scope as a ``wrap_with_autocast`` call of a submodule."""
 
     def init_projections(self, linear):
         super().init_projections(linear)

@@ -16,5 +16,5 @@ module each, and the cost model they share:
 What runs at execution time lives in the layers that run it: the rows a rank's grouped matmul
 multiplies (:mod:`tpcompile.runtime.routed_rows`), the placeholders of experts another rank
 owns (``passes/rewrite/drop_unowned_experts.py``), and ``advise``'s views
-(:mod:`tpcompile.inspect.advise_experts`, :mod:`tpcompile.inspect.expert_load`).
+(:mod:`tpcompile.inspect.advise.advise_experts`, :mod:`tpcompile.inspect.explain.expert_load`).
 """

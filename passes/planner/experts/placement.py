@@ -134,7 +134,7 @@ def place_experts(op, w, mode: str, why: str) -> None:
 
 
 def expert_placements(placed: dict, params: dict) -> dict[str, str]:
-    """MoE module -> how its stacked experts ended up cut, and why: a weight whose region was
+    """MoE module -> how its stacked experts ended up cut, and why: a weight whose chain was
     later kept whole is ``replicated`` with the planner's reason."""
     out = {}
     for name, (mode, why) in sorted(placed.items()):

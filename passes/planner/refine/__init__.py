@@ -8,13 +8,13 @@ with ``|``: the first reason a root is killed for wins) to its constraints, and 
 again, until no stage adds anything. Why this order:
 
 - *demands* and the *tied tables* / *early reductions* / *cache cuts* change how propagation
-  cuts roots; they settle before regions are judged, since a killed root stays killed;
-- *dead regions* (and the other reasons to keep a root whole) judge every region at once;
-  *unpaid chains* last among them, so that a region refused for what it cannot do is named
+  cuts roots; they settle before chains are judged, since a killed root stays killed;
+- *dead chains* (and the other reasons to keep a root whole) judge every chain at once;
+  *unpaid chains* last among them, so that a chain refused for what it cannot do is named
   for that, not for its cost;
-- *partials joining shards* is judged once every region stands: a shard joined in a region
+- *partials joining shards* is judged once every chain stands: a shard joined in a chain
   about to be killed is no reason to keep a side chain whole;
-- *partials reduced in pieces* merges reductions only of regions that stand as written;
+- *partials reduced in pieces* merges reductions only of chains that stand as written;
 - *carried sums* carries sums last, on the plan as it stands.
 
 Then :func:`~tpcompile.passes.planner.freeze.freeze` reads the settled state into the plan
@@ -29,7 +29,7 @@ from tpcompile.passes.planner.experts.looped import whole_looped_experts
 from tpcompile.passes.planner.mutations import check_mutations
 from tpcompile.passes.planner.refine.cache_cuts import cache_cuts
 from tpcompile.passes.planner.refine.carried_sums import carried_sums
-from tpcompile.passes.planner.refine.dead_regions import dead_regions
+from tpcompile.passes.planner.refine.dead_chains import dead_chains
 from tpcompile.passes.planner.refine.decision import Decision
 from tpcompile.passes.planner.refine.demands import demands
 from tpcompile.passes.planner.refine.mixed_partials import mixed_partials
@@ -47,7 +47,7 @@ __all__ = ["Decision", "FINISH", "REFINEMENTS"]
 REFINEMENTS = (
     ("demands", (demands,)),
     ("cuts", (tied_tables, mixed_partials, cache_cuts)),
-    ("regions", (dead_regions, written_copies, stale_ties, whole_grads_into_chunks,
+    ("chains", (dead_chains, written_copies, stale_ties, whole_grads_into_chunks,
                  unpaid_chains)),
     ("joins", (partials_joining_shards,)),
     ("pieces", (partials_reduced_in_pieces,)),

@@ -5,7 +5,7 @@ consumers each reduce their own piece (all-reduce or reduce-scatter). Mamba's ``
 output is split into dt, B and C; C is sliced once per time step, and dt runs through
 ``dt_proj`` before it meets the channel shards: one all-reduce where the sum is made serves
 every piece (and lets ``dt_proj`` be column-parallel), instead of one collective per piece.
-It runs once the regions stand (it merges reductions only of regions kept as written).
+It runs once the chains stand (it merges reductions only of chains kept as written).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stale ties: a tied table whose matmul no longer shards it stays whole in its lookup too.
 
-A tie (:mod:`tpcompile.passes.planner.refine.tied_tables`) is made while the LM head's region
-stands; when that region is refused for another reason, a vocabulary-parallel lookup alone
+A tie (:mod:`tpcompile.passes.planner.refine.tied_tables`) is made while the LM head's chain
+stands; when that chain is refused for another reason, a vocabulary-parallel lookup alone
 would follow a cut no matmul makes, so its root is killed with the rest.
 """
 

@@ -1,12 +1,12 @@
 """Unpaid chains: a per-sample column -> row chain that costs more than it saves stays whole.
 
-A region (roots that meet in one op, as :mod:`.dead_regions` forms them) whose column matmuls
+A chain (roots that meet in one op, as :mod:`.dead_chains` forms them) whose column matmuls
 all read one row per sample (their activation has no more rows than the model's batch, while
 the model's largest matmul activation has more: the token rows) is priced by
 :func:`~tpcompile.passes.planner.chain_cost.chain_cost`: its matmuls (column and row) and the
 weights it cuts against its all-reduces, forward (the partial sums behind its roots, reduced)
-and backward (each column input that carries a gradient). A region that does not pay is killed
-with the numbers that decided it, which ``explain`` lists with the weight's source line. Regions
+and backward (each column input that carries a gradient). A chain that does not pay is killed
+with the numbers that decided it, which ``explain`` lists with the weight's source line. Chains
 on token rows are never judged: they pay at any deployment's size, so no language model's plan
 changes. The batch is dim 0 of the model's first input.
 """
@@ -28,18 +28,18 @@ __all__ = ["unpaid_chains"]
 
 
 def unpaid_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> Decision:
-    """Kill the roots of per-sample regions whose collectives cost more than they save."""
+    """Kill the roots of per-sample chains whose collectives cost more than they save."""
     users = {u for found in state.root_users.values() for u in found}
     priced = pricing(constraints.options.chain_cost, state.specs.world_size, gm,
                      [operands(u)[0] for u in users])
     if priced is None:
         return Decision()
     device, batch = priced
-    regions = nx.Graph()
-    regions.add_nodes_from(state.roots)
-    regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
+    chains = nx.Graph()
+    chains.add_nodes_from(state.roots)
+    chains.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
     dead = {}
-    for component in nx.connected_components(regions):
+    for component in nx.connected_components(chains):
         cols = {u for r in component for u in state.root_users.get(r, ())}
         if not per_sample_chain([operands(u)[0] for u in cols], batch):
             continue
@@ -53,7 +53,7 @@ def unpaid_chains(gm: fx.GraphModule, state: Propagation, constraints: Constrain
 
 def _price(state: Propagation, needs_grad: frozenset, component: set, cols: set, batch: int,
            device) -> ChainCost:
-    """The chain cost of one region: its matmuls, its cut weights, its all-reduces."""
+    """The cost of one chain: its matmuls, its cut weights, its all-reduces."""
     rows = {n for n, p in state.placements.items() if p is not None
             and not isinstance(p, (Shard, list, tuple)) and is_param_matmul(n)
             and any(_sharded_from(state, a, n, component) for a in n.all_input_nodes)}

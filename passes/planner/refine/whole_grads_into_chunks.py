@@ -1,11 +1,11 @@
-"""Whole chunks whose copies are differentiated whole on every rank: keep their region whole.
+"""Whole chunks whose copies are differentiated whole on every rank: keep their chain whole.
 
 A chunk kept whole on every rank (``require_whole``: Mamba-2's single B / C group inside
-``in_proj``) is part of its region, and each rank's gradient of it is a partial sum the
-region's own gradient sync adds up. A replicated value computed from it that replicated code
+``in_proj``) is part of its chain, and each rank's gradient of it is a partial sum the
+chain's own gradient sync adds up. A replicated value computed from it that replicated code
 differentiates whole on every rank would hand that whole gradient back on each rank, and the
 sync would count it once per rank (:func:`~tpcompile.passes.planner.grad_syncs.copies_of_whole_chunks`
-says which copies are partial). Such regions are kept replicated.
+says which copies are partial). Such chains are kept replicated.
 """
 
 from __future__ import annotations
@@ -40,6 +40,6 @@ def whole_grads_into_chunks(gm: fx.GraphModule, state: Propagation,
                 elif whole_shard(state, a, whole):
                     out.setdefault(state.placements[a].layout.root, (
                         f"{node.name} ({origin(node)}) is computed from a chunk kept whole and "
-                        "differentiated whole on every rank: the region's gradient sync would "
+                        "differentiated whole on every rank: the chain's gradient sync would "
                         "count its gradient once per rank"))
     return Decision(killed=out)

@@ -2,7 +2,7 @@
 
 An in-place write (slice assignment) into sharded data lands on a copy when the data reaches
 it through a conversion, or through the gradient sync (Megatron's *f*) by which a sharded
-region reads a replicated value (:mod:`tpcompile.passes.planner.mutations` finds the
+chain reads a replicated value (:mod:`tpcompile.passes.planner.mutations` finds the
 conflicts). Keeping the roots behind the written data replicated makes the write land where
 the unsharded model's does. A write into a KV-cache buffer that asks for its shard is no copy:
 freeze stores the buffer sharded, so the write lands in each rank's own shard.
@@ -29,7 +29,7 @@ def written_copies(gm: fx.GraphModule, state: Propagation, constraints: Constrai
     """Kill the roots whose sharded data an in-place op would write on a copy of.
 
     The copy is a conversion, or the gradient sync (Megatron's *f*) through which a sharded
-    region reads a replicated value: then the region's roots are the ones that make it.
+    chain reads a replicated value: then the chain's roots are the ones that make it.
     Keeping them replicated makes the write land where the unsharded model's does.
     """
     params = constraints.params

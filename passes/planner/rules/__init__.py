@@ -31,6 +31,10 @@ the package imports it:
 - ``views``: shape ops (view, transpose, permute, slice, split, unbind, getitem, cat)
 - ``dim_maps``: where each shape op puts a shard of its input (its rule's ``maps``)
 - ``vocabulary``: vocabulary-parallel embedding and cross entropy
+
+Beside the table, registering nothing: ``quantized``, the graph facts of weight-only quantized
+weights (which stored tensor is quantized, which matmul reads it dequantized), asked by the
+table's users as they ask :func:`is_param_matmul`.
 """
 
 from tpcompile.passes.planner.rules.table import (

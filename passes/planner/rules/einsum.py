@@ -103,7 +103,7 @@ def _output(op, operands, out_labels, linear, partial, same, label, target):
         op.require_whole(f"{op.node.name} contracts the cut dim of {names}", *(lay for _, lay in same))
     if contracted and op.specs.is_full(target):
         # summed over a dim every rank holds whole (Mamba-2's C . B of one group): computed
-        # whole, a replicated copy inside the region (grad_syncs' _copies_of_whole_chunks)
+        # whole, a replicated copy inside the chain (grad_syncs' _copies_of_whole_chunks)
         for i in partial:
             op.require(operands[i][0], Replicate())
         return Replicate()

@@ -32,8 +32,8 @@ def reduction_rule(linear, statistic=False, at=1):
     """A reduction over some dims. ``linear``: a shard of a reduced dim gives a partial sum.
 
     ``statistic``: that partial sum is a per-token statistic (a norm's mean of squares), whose
-    all-reduce the planner accepts only in a region that is otherwise Megatron's (the
-    refinement ``dead_regions``): a norm over the residual stream must still end a region.
+    all-reduce the planner accepts only in a chain that is otherwise Megatron's (the
+    refinement ``dead_chains``): a norm over the residual stream must still end a chain.
     ``at``: as in :func:`reduced_dims`."""
     def propagate(op):
         x = op.node.args[0]

@@ -68,7 +68,7 @@ def _dim_op(op):
     chunk = op.node.target is aten.slice.Tensor and mapped is not None \
         and mapped.layout != op.placement(x).layout
     # a slice of a tensor written in place (``h[..., :2] = 0``) is gathered as before, so the
-    # write's own reason keeps its region replicated
+    # write's own reason keeps its chain replicated
     written = chunk and any(v in written_args(u) for v in x.users for u in v.users)
     empty = chunk and mapped.layout.size == 0  # ``x[..., rd:]`` with rd the whole dim: nothing
     small = (chunk and not empty and mapped.layout.size < op.specs.world_size

@@ -3,7 +3,7 @@ or without sequence parallelism): weights and their FSDP units, activations per
 checkpointing mode, KV cache, matmul FLOPs and what full checkpointing recomputes.
 
 Every number is read from the plan and the graph ``parallelize`` would run, never from a
-formula of the model's shape; :mod:`tpcompile.inspect.advise` turns them into one row per
+formula of the model's shape; :mod:`tpcompile.inspect.advise.advise` turns them into one row per
 configuration.
 """
 
@@ -18,9 +18,9 @@ from torch import fx
 
 from tpcompile.core.block_paths import block_of, repeated_block_paths
 from tpcompile.core.placement import Shard
-from tpcompile.inspect.costs import matmul_flops
-from tpcompile.inspect.explain import attr_dtypes
-from tpcompile.inspect.retained import graph_retained_bytes
+from tpcompile.inspect.advise.costs import matmul_flops
+from tpcompile.inspect.explain.explain import attr_dtypes
+from tpcompile.inspect.advise.retained import graph_retained_bytes
 from tpcompile.inspect.trace import RewriteTrace
 from tpcompile.inspect.traffic import list_collectives
 from tpcompile.passes.planner.rules import is_attention, viewed_from

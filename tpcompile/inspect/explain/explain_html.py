@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from html import escape
 
-from tpcompile.inspect.plan_block import BlockView
+from tpcompile.inspect.explain.plan_block import BlockView
 from tpcompile.inspect.traffic import bound_verdict
-from tpcompile.inspect.plan_svg import PHASE_COLOURS, STYLE_COLOURS, bytes_svg, human_bytes, plan_svg
+from tpcompile.inspect.explain.plan_svg import PHASE_COLOURS, STYLE_COLOURS, bytes_svg, human_bytes, plan_svg
 
 __all__ = ["page"]
 
@@ -88,23 +88,23 @@ def _megatron(report) -> str:
 
 
 def _whole(report, view: BlockView) -> str:
-    """Kept-replicated matmuls, weights replicated inside a region, fallbacks: with lines."""
-    rows, in_region = [], 0
+    """Kept-replicated matmuls, weights replicated inside a chain, fallbacks: with lines."""
+    rows, in_chain = [], 0
     for kind, items in (("kept replicated", report.kept_replicated), ("fallback", report.fallbacks)):
         rows += [(kind, f"<code>{escape(i['node'])}</code>", escape(i["module"] or "top level"),
                   escape(i["reason"]), f"<code>{escape(i.get('source', ''))}</code>")
                  for i in items]
     for section in view.sections:
         for row in section.rows:
-            rows += [("replicated in a sharded region", f"<code>{escape(' + '.join(b.params))}</code>",
+            rows += [("replicated in a sharded chain", f"<code>{escape(' + '.join(b.params))}</code>",
                       escape(b.chain), escape(b.reason), f"<code>{escape(b.source)}</code>")
                      for b in row.boxes if b.style == "replicate" and b.chain]
-            in_region += sum(1 for b in row.boxes if b.style == "replicate" and b.chain)
+            in_chain += sum(1 for b in row.boxes if b.style == "replicate" and b.chain)
     if not rows:
         return "<p>None: every matmul weight is sharded and no value is gathered for an op " \
                "without a rule.</p>"
-    note = (f"<p>Weights replicated inside a region are listed for <code>{escape(view.block)}"
-            "</code> only; every layer drawn by it has the same.</p>" if view.block and in_region
+    note = (f"<p>Weights replicated inside a chain are listed for <code>{escape(view.block)}"
+            "</code> only; every layer drawn by it has the same.</p>" if view.block and in_chain
             else "")
     return _table(("what", "node or weight", "module / chain", "reason", "model line"), rows) + note
 

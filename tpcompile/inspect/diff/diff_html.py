@@ -1,4 +1,4 @@
-"""The side-by-side HTML page of a :class:`~tpcompile.inspect.diff.GraphDiff`.
+"""The side-by-side HTML page of a :class:`~tpcompile.inspect.diff.diff.GraphDiff`.
 
 One self-contained file (inline CSS, no script, no external resource) that a reviewer can open
 from a CI artifact: before on the left, after on the right, each column half the page wide,

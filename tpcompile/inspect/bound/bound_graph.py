@@ -1,4 +1,4 @@
-"""The facts of a captured graph that Megatron's bound (:mod:`tpcompile.inspect.bound`) reads.
+"""The facts of a captured graph that Megatron's bound (:mod:`tpcompile.inspect.bound.bound`) reads.
 
 Per matmul with a stored operand: its weights, its activation, its features, the matmuls it
 reads from and feeds within its block (through any op but another matmul), whether it picks
@@ -23,7 +23,7 @@ from torch import fx
 
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, concrete_shape, module_path
-from tpcompile.passes.planner.quantized import stored_inputs
+from tpcompile.passes.planner.rules.quantized import stored_inputs
 from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
@@ -461,15 +461,15 @@ def whole_read(layer: str, cols: list[Matmul], mms: list[Matmul],
         return bool(features & set(sizes)) or any(
             h in sizes and (len(sizes) > 1 or h * h != f) for h, f in heads.items())
 
-    region, todo = set(), [u for c in cols for u in c.node.users]
+    reached, todo = set(), [u for c in cols for u in c.node.users]
     while todo:
         n = todo.pop()
-        if n in region or n in by_node or n.op != "call_function" or _layer(n) != layer:
+        if n in reached or n in by_node or n.op != "call_function" or _layer(n) != layer:
             continue
-        region.add(n)
+        reached.add(n)
         todo.extend(n.users)
     out = {}
-    for n in region:
+    for n in reached:
         for a in n.all_input_nodes:
             found = stored_inputs(a)
             for leaf in found[0] if found else ():

@@ -22,7 +22,7 @@ Stated once here, printed by every ``advise`` run and documented in docs/visuali
   under FSDP2 a 1/dp shard of each (dim 0 rounded up) plus the largest unit (a block, or the
   root) all-gathered and its unsharded gradients; activations = what rank 0's rewritten graph
   leaves alive for backward with the checkpointing mode, run on meta tensors
-  (:mod:`tpcompile.inspect.retained`), or for inference the KV cache (the key and value
+  (:mod:`tpcompile.inspect.advise.retained`), or for inference the KV cache (the key and value
   operands of every attention at the example's batch and sequence). ``usable_memory`` of the
   device is available (the rest: CUDA context, workspaces, fragmentation).
 

@@ -1,8 +1,8 @@
-"""Dead regions: roots that meet in one op form a region, kept whole unless it ends properly.
+"""Dead chains: roots that meet in one op form a chain, kept whole unless it ends properly.
 
-Roots that meet in one op (q and k in an attention, w1 and w3 in SwiGLU) form a region. A
-region must end where sharded data turns into a partial sum or a replicated result by itself
-(a row-parallel matmul, a vocabulary-parallel loss or embedding). A region that never does,
+Roots that meet in one op (q and k in an attention, w1 and w3 in SwiGLU) form a chain. A
+chain must end where sharded data turns into a partial sum or a replicated result by itself
+(a row-parallel matmul, a vocabulary-parallel loss or embedding). A chain that never does,
 that leaks sharded data into ops needing whole rows (a norm over features, a gathered graph
 output), or that all-reduces per-token statistics beyond one chain, is killed: its roots stay
 replicated and propagation reruns. Roots a rule refused (``Propagation.rejected``) are killed
@@ -21,15 +21,15 @@ from tpcompile.passes.planner.propagate import SEQUENCE, Constraints, Propagatio
 from tpcompile.passes.planner.reads import consumed, roots_behind
 from tpcompile.passes.planner.refine.decision import Decision
 
-__all__ = ["dead_regions"]
+__all__ = ["dead_chains"]
 
 
-def dead_regions(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> Decision:
-    """Kill the roots of regions with no proper exit, or that leak sharded data."""
+def dead_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints) -> Decision:
+    """Kill the roots of chains with no proper exit, or that leak sharded data."""
     options = constraints.options
-    regions = nx.Graph()
-    regions.add_nodes_from(state.roots)
-    regions.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
+    chains = nx.Graph()
+    chains.add_nodes_from(state.roots)
+    chains.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
     exits, leaks, ends = set(), {}, {}
     for node, placement in state.placements.items():
         if placement is None or isinstance(placement, (Shard, list, tuple)):
@@ -45,19 +45,19 @@ def dead_regions(gm: fx.GraphModule, state: Propagation, constraints: Constraint
         refused = (f"{user.name} ({origin(user)}) reads {value.name} {src} as {dst}"
                    if user.op != "output" else f"the model's output {value.name} is {src} "
                    "(outputs are whole; loss_parallel=True keeps logits sharded)")
-        if user.name in state.fallbacks:  # an op with no rule: where the region ends
+        if user.name in state.fallbacks:  # an op with no rule: where the chain ends
             ends.setdefault(src.layout.root, f"{user.name} ({origin(user)}): "
                                              f"{state.fallbacks[user.name]}")
         else:
             # a rule that needs the whole dim (a norm over features, the graph output): the
-            # region leaks into replicated code and would gather there on every step
+            # chain leaks into replicated code and would gather there on every step
             leaks.setdefault(src.layout.root, refused)
     if options.loss_parallel:  # sharded logits handed to the user are an exit too
         exits |= {p.layout.root for a in state.output.all_input_nodes
                   if isinstance(p := consumed(state, a, state.output), Shard)}
     reductions = _reductions_by_root(state)
     dead = {}
-    for component in nx.connected_components(regions):
+    for component in nx.connected_components(chains):
         leak = next((leaks[r] for r in sorted(component) if r in leaks), None)
         costly = _statistics_beyond_one_chain(component, reductions) if leak is None else None
         if leak is None and costly is None and component & exits:
@@ -103,7 +103,7 @@ def _statistic(state: Propagation, node: fx.Node) -> bool:
 
 
 def _statistics_beyond_one_chain(component, reductions) -> str | None:
-    """Why a region that all-reduces per-token statistics (a norm over its sharded features)
+    """Why a chain that all-reduces per-token statistics (a norm over its sharded features)
     is refused: it is not one Megatron chain, whose output is one partial sum reduced whole
     (or into sequence shards). A whole-projection q/k norm inside attention costs a number per
     token; the same norm over a residual stream a lone column projection sharded would cost a
@@ -114,7 +114,7 @@ def _statistics_beyond_one_chain(component, reductions) -> str | None:
     if not stats or (len(sums) <= 1 and not onward):
         return None
     costs = ([f"all-reduce {len(sums)} partial sums ({', '.join(sorted(sums))})"] if sums else []) + (
-        [f"reduce-scatter {', '.join(sorted(onward))} into another region's shards"] if onward else [])
+        [f"reduce-scatter {', '.join(sorted(onward))} into another chain's shards"] if onward else [])
     return (f"{' and '.join(costs)} besides the per-token statistics of {', '.join(sorted(stats))}"
             ": a norm over sharded features is worth its statistic's all-reduce only inside one "
             "chain (one partial sum, reduced whole)")

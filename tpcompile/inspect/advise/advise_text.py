@@ -3,9 +3,9 @@ advice, whether tensor parallelism pays, and for an MoE model each block's exper
 
 from __future__ import annotations
 
-from tpcompile.inspect.advise_experts import render_experts
-from tpcompile.inspect.explain_text import table
-from tpcompile.inspect.plan_svg import human_bytes
+from tpcompile.inspect.advise.advise_experts import render_experts
+from tpcompile.inspect.explain.explain_text import table
+from tpcompile.inspect.explain.plan_svg import human_bytes
 
 __all__ = ["render"]
 

@@ -7,7 +7,12 @@ stored tensors alone (no activation reaches it), and one of them is an integer (
 *quantized weight*. The planner treats it as the parameter behind that operand
 (``OpView.param_behind``), so the matmul starts a column-parallel root or joins a
 row-parallel one exactly as a float weight would; the root is named by the quantized weight.
-How the stored tensors are then cut: :mod:`tpcompile.passes.planner.quantized_cuts`.
+How the stored tensors are then cut: :mod:`tpcompile.passes.planner.absorb_dequantized`.
+
+These are facts of the graph, not a step of the planner: which stored tensor is quantized
+and which matmul reads it dequantized, asked by the rules' users (propagation, freeze, the
+cut step, ``explain`` and Megatron's bound) the way they ask the table's ``is_param_matmul``.
+So the module lives beside the rule table; it registers no rule.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from torch import fx
 
 from tpcompile.passes.planner.dims import val
-from tpcompile.passes.planner.rules import is_param_matmul, is_view
+from tpcompile.passes.planner.rules.table import is_param_matmul, is_view
 
 __all__ = ["is_quantized_storage", "stored_behind", "stored_inputs", "dequantized_weight", "dequantized_readers", "quantized_weights",
            "undequantized_reason", "weight_targets"]

@@ -1,9 +1,9 @@
-"""Autocast regions in forward are inlined and planned, and keep their autocast state.
+"""Autocast scopes in forward are inlined and planned, and keep their autocast state.
 
-``inline_autocast`` replaces export's ``wrap_with_autocast`` call by the region's ops between
+``inline_autocast`` replaces export's ``wrap_with_autocast`` call by the scope's ops between
 ``torch.amp._enter_autocast`` and ``_exit_autocast``: the q / k projections normalised in
 float32 inside ``torch.autocast(..., enabled=False)`` are column-parallel (before, the call
-had no rule and gathered them), and run under an outer bfloat16 autocast the region still
+had no rule and gathered them), and run under an outer bfloat16 autocast the scope still
 computes in float32, as the model does. The idiom ``qk_norm_autocast_off`` runs on gloo ranks
 (tests/gloo/test_idioms.py).
 """
@@ -15,7 +15,7 @@ from torch import nn
 from tpcompile.passes.pipeline import plan
 
 
-class Region(nn.Module):
+class Scope(nn.Module):
     """q / k cut by heads, normalised per head with autocast off, k then mixed by a matmul
     whose dtype shows which autocast state it ran in."""
 
@@ -36,7 +36,7 @@ class Region(nn.Module):
 
 
 class Nested(nn.Module):
-    """A bfloat16 region inside a region with autocast off."""
+    """A bfloat16 scope inside a scope with autocast off."""
 
     def __init__(self):
         super().__init__()
@@ -50,13 +50,13 @@ class Nested(nn.Module):
         return a, b
 
 
-def _planned(cls=Region):
+def _planned(cls=Scope):
     torch.manual_seed(0)
     model = cls()
     return model, plan(model, (torch.randn(2, 8, 32),), 2)
 
 
-def test_regions_are_inlined_between_enter_and_exit():
+def test_scopes_are_inlined_between_enter_and_exit():
     _, planned = _planned(Nested)
     targets = [n.target for n in planned.cap.gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.higher_order.wrap_with_autocast not in targets
@@ -65,18 +65,18 @@ def test_regions_are_inlined_between_enter_and_exit():
     assert not [name for name, _ in planned.cap.gm.named_children() if name.startswith("submod")]
 
 
-def test_projections_normalised_in_a_region_are_column_parallel():
+def test_projections_normalised_in_a_scope_are_column_parallel():
     _, planned = _planned()
     styles = planned.plan.styles()
     assert styles["wq.weight"] == styles["wk.weight"] == styles["wv.weight"] == "colwise"
     assert styles["wo.weight"] == "rowwise"
 
 
-def test_regions_keep_their_autocast_state_under_an_outer_autocast():
-    """(Region under an outer autocast would feed bfloat16 q / k into its float32 region,
+def test_scopes_keep_their_autocast_state_under_an_outer_autocast():
+    """(Scope under an outer autocast would feed bfloat16 q / k into its float32 scope,
     which needs a cast there that export asserts as captured: not a graph to run so.)"""
     x = torch.randn(3, 5, 32)
-    for cls, outers in ((Region, (False,)), (Nested, (False, True))):
+    for cls, outers in ((Scope, (False,)), (Nested, (False, True))):
         model, planned = _planned(cls)
         for outer in outers:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer):

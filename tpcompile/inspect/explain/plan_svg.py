@@ -1,6 +1,6 @@
 """SVG drawings of a plan: the repeated block as boxes and marks, parameter bytes as bars.
 
-Drawn from a :class:`~tpcompile.inspect.plan_block.BlockView` (never by hand per model): one
+Drawn from a :class:`~tpcompile.inspect.explain.plan_block.BlockView` (never by hand per model): one
 row of boxes per step of the flow, coloured by style, joined by a vertical edge; every
 collective is a mark on the edge where it runs (a circle forward, a diamond backward) with its
 op and size beside it, or a diamond on the box of a weight whose gradient it all-reduces.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from html import escape
 
-from tpcompile.inspect.plan_block import BlockView, Row
+from tpcompile.inspect.explain.plan_block import BlockView, Row
 
 __all__ = ["STYLE_COLOURS", "plan_svg", "bytes_svg", "human_bytes"]
 

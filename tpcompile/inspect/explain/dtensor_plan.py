@@ -7,7 +7,7 @@ one to one only when all of these hold, and each check below names what breaks o
 
 * every sharded parameter is the weight (rows for colwise, columns for rowwise) or bias of an
   ``nn.Linear``, cut in one contiguous ``torch.chunk`` piece per rank: a fused qkv weight
-  sharded per chunk, uneven whole-head shards and KV-head blocks replicated inside the region
+  sharded per chunk, uneven whole-head shards and KV-head blocks replicated inside the chain
   have no DTensor layout;
 * tpcompile inserts no collective or slice inside the chain (a fallback gather, a replicated
   operand sliced to the local heads): ``parallelize_module`` would run those ops on shards;

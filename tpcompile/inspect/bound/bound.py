@@ -73,10 +73,10 @@ judge another graph: the rule table's fields ``matmul`` (which ops are matmuls,
 ``is_param_matmul``), ``view`` (which ops only re-index a value, ``is_view``) and
 ``attention`` (``is_attention``), and the fresh buffers ``writes.any_placement`` names (no use
 of a value); which stored tensors make a quantized weight
-(:mod:`tpcompile.passes.planner.quantized`); the repeated block a node is in
+(:mod:`tpcompile.passes.planner.rules.quantized`); the repeated block a node is in
 (:mod:`tpcompile.core.block_paths`, the chain report's answer too); and the cost rule's chain
 and price (:mod:`tpcompile.passes.planner.chain_cost`), a stated model the bound must not
-price differently. Its own are the op sets of :mod:`tpcompile.inspect.bound_graph` (ops that keep a
+price differently. Its own are the op sets of :mod:`tpcompile.inspect.bound.bound_graph` (ops that keep a
 partial sum a sum, join sums, cut a value into pieces, keep features apart, take a statistic
 over features; ``topk`` as a router) and the styles above: those are what the rule table's
 ``propagate`` functions decide, and an oracle that read them would inherit a rule's mistake
@@ -91,12 +91,14 @@ from torch import fx
 
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
-from tpcompile.inspect.bound_graph import (
+from tpcompile.inspect.bound.bound_graph import (
     Matmul, computed_from, find_matmuls, grad_carriers, reach_forward, reduce_points,
     value_bytes, value_users, whole_read,
 )
 from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
-from tpcompile.passes.planner.quantized import is_quantized_storage, stored_inputs, weight_targets
+from tpcompile.passes.planner.rules.quantized import (
+    is_quantized_storage, stored_inputs, weight_targets,
+)
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
 

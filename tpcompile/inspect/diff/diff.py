@@ -18,7 +18,7 @@ from typing import Callable
 
 from torch import fx, nn
 
-from tpcompile.inspect.diff_html import page
+from tpcompile.inspect.diff.diff_html import page
 from tpcompile.core.placement import Partial, Shard, each
 from tpcompile.core.plan import PlanOptions
 from tpcompile.inspect.trace import trace_rewrite

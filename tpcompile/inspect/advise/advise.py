@@ -3,15 +3,15 @@
 For each tensor-parallel degree TP dividing the GPUs, with and without sequence parallelism,
 the model is planned and rank 0's graph rewritten exactly as ``parallelize`` would (on meta
 tensors: no memory, no GPU), and what that plan holds per rank and sends per step is measured
-from it (:mod:`~tpcompile.inspect.advise_measure`): parameter and buffer shards, every
+from it (:mod:`~tpcompile.inspect.advise.advise_measure`): parameter and buffer shards, every
 collective, matmul FLOPs, and the activations the forward leaves for backward under each
 activation-checkpointing mode (the graph run on meta tensors with its regions outlined). The
 other GPUs / TP ranks are data-parallel, either replicated (gradients all-reduced) or FSDP2
 (parameters, gradients and optimizer state sharded, all-gathered per block). Each
 (TP, data parallelism, checkpointing, SP) configuration is priced by the
-:mod:`~tpcompile.inspect.costs` model; the advice is the fastest that fits in memory. For an
+:mod:`~tpcompile.inspect.advise.costs` model; the advice is the fastest that fits in memory. For an
 MoE model, each block's expert cut (expert-TP or whole experts per rank) is priced at each
-degree by ``experts="auto"``'s cost model (:mod:`~tpcompile.inspect.advise_experts`).
+degree by ``experts="auto"``'s cost model (:mod:`~tpcompile.inspect.advise.advise_experts`).
 Estimates, not measurements: the model and its assumptions are printed with every answer.
 """
 
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from tpcompile.core.plan import PlanOptions
-from tpcompile.inspect.advise_experts import expert_choices
-from tpcompile.inspect.advise_measure import Measured, fsdp_shard_bytes, measure_trace, mode_name
-from tpcompile.inspect.costs import CostModel, peak_flops, ring, ring_seconds
+from tpcompile.inspect.advise.advise_experts import expert_choices
+from tpcompile.inspect.advise.advise_measure import Measured, fsdp_shard_bytes, measure_trace, mode_name
+from tpcompile.inspect.advise.costs import CostModel, peak_flops, ring, ring_seconds
 from tpcompile.inspect.trace import trace_rewrite
 from tpcompile.passes.rewrite.checkpoint_regions import MODES
 
@@ -103,7 +103,7 @@ class Advice:
         return json.dumps({"schema": SCHEMA, **obj}, sort_keys=True)
 
     def __str__(self) -> str:
-        from tpcompile.inspect.advise_text import render
+        from tpcompile.inspect.advise.advise_text import render
         return render(self)
 
 

@@ -1,8 +1,10 @@
 """Cutting quantized weights: the stored tensors a dequantized matmul operand is computed from.
 
-A matmul reading a dequantized weight (:mod:`tpcompile.passes.planner.quantized`) asks for a
-shard of that operand. :func:`absorb_dequantized` pulls the shard back through the
-dequantization onto the stored tensors (the integer weight, its scales and zeros), so each
+One of :func:`~tpcompile.passes.planner.freeze.freeze`'s ``ABSORB`` steps (named after its
+function, like the refinements): it runs on the settled propagation before freeze reads the
+plan from it. A matmul reading a dequantized weight (the graph facts of
+:mod:`tpcompile.passes.planner.rules.quantized`) asks for a shard of that operand.
+:func:`absorb_dequantized` pulls the shard back through the dequantization onto the stored tensors (the integer weight, its scales and zeros), so each
 rank stores and dequantizes only its rows (column-parallel) or its groups of the input dim
 (row-parallel). Which dim of a stored tensor carries the cut is not guessed from names: each
 candidate cut of each stored tensor is propagated forward through the rule table, and the one
@@ -24,7 +26,7 @@ from torch import fx
 from tpcompile.core.placement import Misaligned, Replicate, Shard
 from tpcompile.passes.planner.dims import shape, split_layout, val
 from tpcompile.passes.planner.propagate import Propagation, same_placement, visit
-from tpcompile.passes.planner.quantized import dequantized_weight, stored_inputs
+from tpcompile.passes.planner.rules.quantized import dequantized_weight, stored_inputs
 
 __all__ = ["absorb_dequantized"]
 

@@ -1,24 +1,24 @@
-"""Repeated blocks of a rewritten graph as one shared region, so torch.compile compiles them once.
+"""Repeated blocks of a rewritten graph as calls of one compiled block, so they compile once.
 
 ``torch.export`` flattens a model into one graph: a 32-layer Llama is 32 copies of the same
 block's nodes, and Dynamo, AOT autograd and inductor each walk every copy (compile time grows
-with depth). :func:`regional_graph` outlines the identical copies into calls of one function
-marked with ``torch.compiler.nested_compile_region``: Dynamo traces it once as an
+with depth). :func:`compiled_blocks_graph` outlines the identical copies into calls of one
+function marked with ``torch.compiler.nested_compile_region``: Dynamo traces it once as an
 ``invoke_subgraph`` and stamps out the other calls, AOT autograd and inductor compile one body.
 
-A *region* here is one call of a repeated block, outlined: the outermost block whose call a
+A *compiled block* is one call of a repeated block, outlined: the outermost block whose call a
 node runs in (:func:`~tpcompile.core.block_paths.block_of`), counting only the items of a
 module list (their paths end in an index) whose class the graph calls at two or more such
 paths (``layers.0``, ``layers.1``, ... of ``LlamaBlock``). Nodes the rewrite inserted
-(collectives) carry no stack and join the region of their first input. Two regions share
+(collectives) carry no stack and join the block of their first input. Two blocks share
 one body when their nodes, in order, have the same ops, targets, constant arguments, wiring
 and tensor metadata; every value from outside (parameters, activations, sizes) becomes an
 argument, so the weights of block i are inputs of the shared body rather than constants of
-it. A region that is not a contiguous
+it. A block that is not a contiguous
 run of nodes, or has no twin, stays inline: the result is always the same computation.
 
 The flat graph stays :attr:`TPModule.graph_module` (what eager calls and the inspection tools
-run and read); the regional graph is what a compiled TPModule runs with ``compile_regions``.
+run and read); the outlined graph is what a compiled TPModule runs with ``compiled_blocks``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import fx
 
 from tpcompile.core.block_paths import block_of
 
-__all__ = ["regional_graph", "region_of_nodes"]
+__all__ = ["compiled_blocks_graph", "compiled_block_of_nodes"]
 
 
 def _stack(node: fx.Node) -> list[tuple[str, str]]:
@@ -43,8 +43,8 @@ def _stack(node: fx.Node) -> list[tuple[str, str]]:
     return out
 
 
-def region_of_nodes(graph: fx.Graph) -> dict[fx.Node, str]:
-    """The region (module path) of every node that belongs to one; see the module docstring."""
+def compiled_block_of_nodes(graph: fx.Graph) -> dict[fx.Node, str]:
+    """The compiled block (module path) of every node that belongs to one (module docstring)."""
     paths_of = defaultdict(set)
     for node in graph.nodes:
         for path, cls in _stack(node):
@@ -56,25 +56,25 @@ def region_of_nodes(graph: fx.Graph) -> dict[fx.Node, str]:
         if node.op != "call_function":
             continue
         if _stack(node):
-            region = block_of(node, blocks, called=True)
-        else:  # inserted by the rewrite: the region of its first input
-            region = next((out[a] for a in node.all_input_nodes if a in out), None)
-        if region is not None:
-            out[node] = region
+            block = block_of(node, blocks, called=True)
+        else:  # inserted by the rewrite: the block of its first input
+            block = next((out[a] for a in node.all_input_nodes if a in out), None)
+        if block is not None:
+            out[node] = block
     return out
 
 
-def _runs(graph: fx.Graph, region_of: dict[fx.Node, str]) -> dict[str, list[fx.Node]]:
-    """Region -> its nodes, for regions that are one contiguous run of the graph's nodes."""
+def _runs(graph: fx.Graph, block_of_node: dict[fx.Node, str]) -> dict[str, list[fx.Node]]:
+    """Block -> its nodes, for blocks that are one contiguous run of the graph's nodes."""
     runs: dict[str, list[fx.Node]] = defaultdict(list)
     broken, last = set(), None
     for node in graph.nodes:
-        region = region_of.get(node)
-        if region is not None and runs[region] and last != region:
-            broken.add(region)  # the region resumes after other nodes: not one run
-        if region is not None:
-            runs[region].append(node)
-        last = region
+        block = block_of_node.get(node)
+        if block is not None and runs[block] and last != block:
+            broken.add(block)  # the block resumes after other nodes: not one run
+        if block is not None:
+            runs[block].append(node)
+        last = block
     return {r: nodes for r, nodes in runs.items() if r not in broken}
 
 
@@ -85,7 +85,7 @@ def _meta_key(node: fx.Node):
     return ("v", type(val).__name__, str(val) if isinstance(val, (int, float, bool)) else "")
 
 
-class _Region:
+class _BlockRun:
     """One run of nodes: its inputs (from outside), outputs (used outside) and structure key."""
 
     def __init__(self, nodes: list[fx.Node]):
@@ -110,13 +110,13 @@ class _Region:
                     tuple(local[n] for n in self.outputs))
 
     def body(self) -> fx.GraphModule:
-        """The region as a graph of its inputs, returning its outputs."""
+        """The block as a graph of its inputs, returning its outputs."""
         graph = fx.Graph()
         env = {a: graph.placeholder(f"arg{i}") for i, a in enumerate(self.inputs)}
         for node in self.nodes:
             env[node] = graph.node_copy(node, env.__getitem__)
         graph.output(tuple(env[n] for n in self.outputs))
-        return fx.GraphModule(torch.nn.Module(), graph, class_name="RegionBody")
+        return fx.GraphModule(torch.nn.Module(), graph, class_name="CompiledBlockBody")
 
 
 def _shared_call(body: fx.GraphModule):
@@ -124,48 +124,49 @@ def _shared_call(body: fx.GraphModule):
 
     marked = torch.compiler.nested_compile_region(lambda *args: body(*args))
 
-    def region(*args):  # a plain function: FX's code generator refers to it as a global
+    def compiled_block(*args):  # a plain function: FX's code generator refers to it as a global
         return marked(*args)
 
-    return region
+    return compiled_block
 
 
-def regional_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """``gm`` with each set of identical regions outlined into calls of one shared body.
+def compiled_blocks_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """``gm`` with each set of identical blocks outlined into calls of one shared body.
 
     Returns the new module (sharing ``gm``'s submodules, parameters and buffers, so it sees
-    what ``gm`` sees) and the number of region calls; ``(gm, 0)`` when nothing repeats.
+    what ``gm`` sees) and the number of block calls; ``(gm, 0)`` when nothing repeats.
     """
-    regions = [_Region(nodes) for nodes in _runs(gm.graph, region_of_nodes(gm.graph)).values()]
-    twins = Counter(r.key for r in regions)
-    regions = [r for r in regions if twins[r.key] >= 2]
-    if not regions:
+    runs = [_BlockRun(nodes)
+            for nodes in _runs(gm.graph, compiled_block_of_nodes(gm.graph)).values()]
+    twins = Counter(r.key for r in runs)
+    runs = [r for r in runs if twins[r.key] >= 2]
+    if not runs:
         return gm, 0
     calls = {}
-    starts = {r.nodes[0]: r for r in regions}
-    skipped = {n for r in regions for n in r.nodes}
+    starts = {r.nodes[0]: r for r in runs}
+    skipped = {n for r in runs for n in r.nodes}
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
-        region = starts.get(node)
-        if region is not None:
-            fn = calls.get(region.key)
+        run = starts.get(node)
+        if run is not None:
+            fn = calls.get(run.key)
             if fn is None:
-                fn = calls[region.key] = _shared_call(region.body())
-            out = graph.call_function(fn, tuple(env[a] for a in region.inputs))
-            for i, n in enumerate(region.outputs):
+                fn = calls[run.key] = _shared_call(run.body())
+            out = graph.call_function(fn, tuple(env[a] for a in run.inputs))
+            for i, n in enumerate(run.outputs):
                 env[n] = graph.call_function(operator.getitem, (out, i))
                 env[n].meta = dict(n.meta)
         elif node not in skipped:
             env[node] = graph.node_copy(node, env.__getitem__)
-    regional = fx.GraphModule(gm, graph, class_name="RegionalGraph")
-    _share_state(regional, gm)
-    return regional, len(regions)
+    outlined = fx.GraphModule(gm, graph, class_name="CompiledBlocksGraph")
+    _share_state(outlined, gm)
+    return outlined, len(runs)
 
 
-def _share_state(regional: fx.GraphModule, gm: fx.GraphModule) -> None:
-    """Resolve ``regional``'s attributes through ``gm``'s own objects (one set of tensors)."""
-    regional.__dict__["_parameters"] = gm._parameters
-    regional.__dict__["_buffers"] = gm._buffers
-    regional._modules.update(gm._modules)
+def _share_state(outlined: fx.GraphModule, gm: fx.GraphModule) -> None:
+    """Resolve ``outlined``'s attributes through ``gm``'s own objects (one set of tensors)."""
+    outlined.__dict__["_parameters"] = gm._parameters
+    outlined.__dict__["_buffers"] = gm._buffers
+    outlined._modules.update(gm._modules)

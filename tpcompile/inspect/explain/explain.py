@@ -18,17 +18,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tpcompile.inspect.dtensor_plan import dtensor_styles, to_parallel_styles
-from tpcompile.passes.planner.quantized import quantized_weights, weight_targets
+from tpcompile.inspect.explain.dtensor_plan import dtensor_styles, to_parallel_styles
+from tpcompile.passes.planner.rules.quantized import quantized_weights, weight_targets
 from tpcompile.passes.planner.unapplied_options import announce, unapplied_checkpointing
 from tpcompile.passes.rewrite.checkpoint_regions import outlinable_regions
 from tpcompile.core.placement import Shard
 from tpcompile.core.plan import PlanOptions
-from tpcompile.inspect.expert_load import expert_loads
-from tpcompile.inspect.explain_html import page
-from tpcompile.inspect.explain_text import render
-from tpcompile.inspect.plan_block import block_view
-from tpcompile.inspect.recompute import recomputed_calls
+from tpcompile.inspect.explain.expert_load import expert_loads
+from tpcompile.inspect.explain.explain_html import page
+from tpcompile.inspect.explain.explain_text import render
+from tpcompile.inspect.explain.plan_block import block_view
+from tpcompile.inspect.explain.recompute import recomputed_calls
 from tpcompile.inspect.trace import RewriteTrace, module_path, source_line, trace_rewrite
 from tpcompile.inspect.traffic import (
     CollectiveEntry, LayerTraffic, dtype_name, list_collectives, megatron_comparison, nbytes,
@@ -51,7 +51,7 @@ class ParamEntry:
     dtype: str
     parameter: bool          # a parameter, trainable or frozen (False for buffers)
     trainable: bool          # a parameter that requires grad
-    grad_sync: bool          # its gradient is all-reduced (replicated inside a sharded region)
+    grad_sync: bool          # its gradient is all-reduced (replicated inside a sharded chain)
     chain: str               # the column -> row chain it belongs to; '' if none
     reason: str              # the planner's reason for the style
     aliases: list            # every FQN naming this tensor
@@ -82,7 +82,7 @@ class Report:
     # grouped-matmul MoE module -> rows of the example routed to each rank's whole experts, or
     # why they were not measured (the example does not run on this device)
     expert_load: dict = field(default_factory=dict)
-    # per rank under Megatron's plan (tpcompile.inspect.bound): split weights / N + the rest
+    # per rank under Megatron's plan (tpcompile.inspect.bound.bound): split weights / N + the rest
     param_bytes_ideal: float = 0.0
     # the plan's notes: what capture changed about the call, and each option that did nothing
     notes: list = field(default_factory=list)
@@ -224,7 +224,7 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     ``dynamic=False`` captures at the example's sizes only: the same plan, 2.5x faster to
     capture a large model (the rewritten code then shows those sizes as constants).
     ``html=True`` returns the self-contained HTML page instead (a picture of the plan: see
-    :mod:`tpcompile.inspect.explain_html`).
+    :mod:`tpcompile.inspect.explain.explain_html`).
     ``reuse_blocks`` (default) exports three of a model's identical blocks and repeats one for
     the rest: the same report, in a time that hardly grows with depth (docs/scaling.md).
     ``activation_checkpointing`` is ``parallelize``'s: the report lists the regions recomputed
