@@ -130,3 +130,70 @@ def build(name: str, math_impl: bool = False):
     if CASES[name].get("inner_mask"):
         return model, (x,)
     return model, (x, create_block_mask(causal, None, None, SEQ, SEQ, device="cpu"))
+
+
+# ----------------------------------------------------------------- varlen attention
+
+def varlen_math(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                scale=None, window_size=None, enable_gqa=False, seqused_k=None,
+                block_table=None, num_splits=None):
+    """``torch_attn::_varlen_attn`` in plain tensor ops, one sequence at a time: torch runs it
+    only with CUDA's flash or cuDNN kernels, so CPU tests register this one
+    (:func:`register_varlen_math`) for the unsharded and the sharded model alike."""
+    if block_table is not None or seqused_k is not None:
+        raise NotImplementedError("varlen_math: packed sequences only, no paged cache")
+    left, right = window_size or (-1, -1)
+    right = 0 if is_causal else right
+    cu_k = cu_seq_q if cu_seq_k is None else cu_seq_k
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for i in range(cu_seq_q.numel() - 1):
+        q = query[int(cu_seq_q[i]):int(cu_seq_q[i + 1])].transpose(0, 1).float()
+        k, v = (t[int(cu_k[i]):int(cu_k[i + 1])].transpose(0, 1).float() for t in (key, value))
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) * scale
+        gap = torch.arange(k.shape[1]) - torch.arange(q.shape[1])[:, None]  # key - query
+        outside = ((gap < -left) if left >= 0 else False) | ((gap > right) if right >= 0 else False)
+        scores = scores.masked_fill(outside, float("-inf"))
+        lse = scores.logsumexp(-1)
+        outs.append((scores - lse[..., None]).exp() @ v)
+        lses.append(lse)
+    out = torch.cat(outs, dim=1).transpose(0, 1).to(query.dtype).contiguous()
+    return out, torch.cat(lses, dim=1), torch.zeros(2, dtype=torch.uint64)
+
+
+def register_varlen_math() -> None:
+    """Make :func:`varlen_math` varlen attention's CPU kernel in this process."""
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_math)
+
+
+class VarlenBlock(nn.Module):
+    """x + o(varlen_attn(q, k, v)) on packed sequences ``x (tokens, DIM)`` whose bounds are
+    ``cu_seqlens``: 8 query heads over ``kv_heads`` (GQA by ``enable_gqa``), causal."""
+
+    def __init__(self, kv_heads: int = 4, max_len: int = SEQ):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.max_len = 8, kv_heads, DIM // 8, max_len
+        self.norm = nn.RMSNorm(DIM)
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.k = nn.Linear(DIM, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(DIM, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x, cu_seqlens):
+        from torch.nn.attention.varlen import varlen_attn
+
+        h = self.norm(x)
+        q = self.q(h).view(-1, self.heads, self.head_dim)
+        k = self.k(h).view(-1, self.kv_heads, self.head_dim)
+        v = self.v(h).view(-1, self.kv_heads, self.head_dim)
+        y = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, self.max_len, self.max_len,
+                        window_size=(-1, 0), enable_gqa=self.kv_heads != self.heads)
+        return x + self.o(y.reshape(-1, DIM))
+
+
+def varlen(kv_heads: int = 4):
+    """(block, (packed tokens, cumulative lengths)): sequences of 5, 16 and 9 tokens."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 21, 30], dtype=torch.int32)
+    return VarlenBlock(kv_heads), (torch.randn(30, DIM), cu)

@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import tpcompile
 from tpcompile.core.capture import capture
+from tpcompile.runtime.collectives import count_collectives
 from tpcompile.tools.numerics import _loss, compare, grad_errors, rel_err
 from zoo import flex_models
 
@@ -74,4 +75,25 @@ def titan_cases(rank: int, world_size: int, kinds: list[str]) -> dict:
                          "params": len(tp.plan.params)}
         except Exception:  # noqa: BLE001 - returned to the test, which fails with it
             out[kind] = {"error": traceback.format_exc()[-3000:]}
+    return out
+
+
+def varlen_cases(rank: int, world_size: int, kv_heads: list[int]) -> dict:
+    """Varlen attention blocks (8 query heads over each of ``kv_heads``) with the math CPU
+    kernel registered: the forward against the unsharded block under ``no_grad`` (torch's
+    varlen backward runs only on CUDA), the sharded weights and the collectives."""
+    torch.set_num_threads(1)
+    flex_models.register_varlen_math()
+    out = {}
+    for kv in kv_heads:
+        try:
+            model, inputs = flex_models.varlen(kv)
+            with torch.no_grad():
+                tp = tpcompile.parallelize(model, inputs)
+                out[kv] = {"output_err": rel_err(tp(*inputs), model(*inputs)),
+                           "collectives": count_collectives(tp.graph_module),
+                           "sharded": sorted(n for n, p in tp.plan.params.items()
+                                             if p.local_shapes[rank] != p.global_shape)}
+        except Exception:  # noqa: BLE001 - returned to the test, which fails with it
+            out[kv] = {"error": traceback.format_exc()[-3000:]}
     return out

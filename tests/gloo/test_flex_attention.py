@@ -79,3 +79,23 @@ def test_hugging_face_flex_attention_planned_as_with_sdpa(world_size):
         assert set(result["sharded"]) == expected, result["sharded"]
         assert result["collectives"] == {"forward": {"all_reduce": 4},
                                          "backward": {"all_reduce": 4}}, result["collectives"]
+
+
+VARLEN_KV = (8, 4, 2)  # query heads 8 over 8, 4, 2 kv heads
+_varlen = LaunchedOnDemand(lambda ws: run_on_ranks(f"{BODIES}:varlen_cases", ws, list(VARLEN_KV)))
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_varlen_attention_cut_by_heads_and_exact(world_size):
+    """``torch.nn.attention.varlen.varlen_attn`` on three packed sequences (causal), with a math
+    kernel for CPU registered (torch has only CUDA's): q / k / v cut by heads (k / v whole
+    where fewer kv heads than ranks), one all-reduce, the unsharded output. Forward only:
+    torch's varlen backward runs only on CUDA."""
+    for kv in VARLEN_KV:
+        for result in (r[kv] for r in _varlen[world_size]):
+            assert "error" not in result, result["error"]
+            assert result["output_err"] <= TOLERANCE, result
+            whole_kv = kv < world_size
+            assert result["sharded"] == (["o.weight", "q.weight"] if whole_kv else
+                                         ["k.weight", "o.weight", "q.weight", "v.weight"]), result
+            assert result["collectives"]["forward"] == {"all_reduce": 1}, result
