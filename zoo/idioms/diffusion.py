@@ -1,21 +1,15 @@
 """A diffusion transformer (DiT) in diffusers' layout: conditioning chains beside the blocks.
 
-Latents ``(B, C, 3, 3T)`` are cut into ``T`` patches of ``3 x 3`` by a strided Conv2d (so any
-token count ``T`` makes an image; 3, not diffusers' usual 2, so that no size of the example
-equals its batch of 2, which export would take for the same symbol), then ``LAYERS`` adaLN-Zero blocks and a final adaLN layer
-project the tokens back to patches. As in diffusers' ``DiTTransformer2DModel`` with
-``norm_type="ada_norm_zero"``, every block owns a timestep embedder (sinusoidal features ->
-Linear -> SiLU -> Linear) and its modulation (SiLU -> ``Linear(D, 6D)`` chunked into shift,
-scale and gate for attention and MLP), and the final layer calls the *first* block's embedder
-again. The attention (non-causal SDPA, separate q/k/v/o) and the GELU MLP are the blocks' two
-column -> row chains; the conditioning runs on ``(B, D)``: one row per sample, whatever the
-image size, which is why a hand plan keeps it whole.
-
-``SingleStreamDiT`` is the same skeleton with Flux's single-stream blocks
-(``FluxSingleTransformerBlock``, 38 of FLUX's 57): one shared timestep embedding conditions an
-adaLN-single modulation, attention (per-head q / k RMSNorms, no output projection) and a GELU MLP
-run side by side on one normed input, and ONE ``proj_out`` reads ``cat([attn, mlp], -1)``: its
-hand plan cuts that projection's input rows by each rank's heads and MLP features at once.
+Latents ``(B, C, 3, 3T)`` are cut into ``T`` patches of ``3 x 3`` by a strided Conv2d (so any token
+count ``T`` makes an image; 3, not diffusers' usual 2, so that no size of the example equals its
+batch of 2, which export would take for the same symbol), then ``LAYERS`` adaLN-Zero blocks and a
+final adaLN layer project the tokens back to patches. As in diffusers' ``DiTTransformer2DModel``
+with ``norm_type="ada_norm_zero"``, every block owns a timestep embedder (sinusoidal features ->
+Linear -> SiLU -> Linear) and its modulation (SiLU -> ``Linear(D, 6D)`` chunked into shift, scale
+and gate for attention and MLP), and the final layer calls the *first* block's embedder again. The
+attention (non-causal SDPA, separate q/k/v/o) and the GELU MLP are the blocks' two column -> row
+chains; the conditioning runs on ``(B, D)``: one row per sample, whatever the image size, which is
+why a hand plan keeps it whole. ``SingleStreamDiT`` swaps in Flux's single-stream blocks.
 """
 
 from __future__ import annotations
