@@ -15,7 +15,7 @@ except ModuleNotFoundError as e:  # pragma: no cover
 
 # what the test extra installs that some test would skip without
 REQUIRED = ("hypothesis", "expecttest", "transformers", "peft", "safetensors", "torchao",
-            "torch.testing._internal.common_methods_invocations")
+            "diffusers", "torch.testing._internal.common_methods_invocations")
 
 
 def pytest_configure(config):

@@ -183,6 +183,10 @@ class OpView:
         if demands:
             raise Misaligned(*demands)
 
+    def link(self, *roots: str) -> None:
+        """The ``roots`` meet in this op: one chain, kept whole or cut together."""
+        self._state.links.extend(zip(roots, roots[1:]))
+
     def unify(self, items: list[tuple[fx.Node, Layout]]) -> Layout:
         """One layout for operands sharded on the same label; the rest get converted to it."""
         target = items[0][1]

@@ -27,7 +27,7 @@ def roots_behind(state: Propagation, node: fx.Node, seen: set) -> set[str]:
     seen.add(node)
     p = state.placements.get(node)
     if isinstance(p, Shard):
-        return {p.layout.root}
+        return set(state.specs.bases(p.layout.root))
     if isinstance(p, (Partial, list, tuple)):
         return set().union(*(roots_behind(state, a, seen) for a in node.all_input_nodes))
     return set()

@@ -5,7 +5,7 @@ corpus expects, the largest rank holds no more than the ideal bytes (sharded wei
 the rest whole), every layer issues no more than the corpus's all-reduces and nothing else, and on
 real gloo ranks the output and every gradient equal the unsharded model's, at the example's
 batch and length and at others (at 4 ranks CI runs
-one idiom of each kind whose 4-rank plan differs and the DiT; ``-m slow`` runs them all). ``bench/idioms.py``
+one idiom of each kind whose 4-rank plan differs and the DiTs; ``-m slow`` runs them all). ``bench/idioms.py``
 measures the whole corpus (idioms still off the bound included) and writes
 bench/results/idioms.md.
 """
@@ -92,6 +92,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # a DiT: each block's timestep embedder (called again by the final layer) and adaLN
     # modulation run on one row per sample, kept whole by cost; attention and MLP cut
     "dit_adaln_zero": (2, 4),
+    # Flux's single-stream blocks: cat([attn, mlp]) of heads and MLP features runs on each
+    # rank's pieces (a joined root), proj_out's rows cut by both: one all-reduce per block
+    "dit_single_stream": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 
@@ -114,10 +117,10 @@ def test_plan_is_megatrons(name, world_size):
 
 
 # on gloo ranks: every idiom at 2 ranks; at 4, one of each kind whose plan differs there (fewer
-# KV heads than ranks, uneven chunks, experts, a statistic) and the DiT (conditioning whole by
-# cost), the rest with -m slow (CI time; their 4-rank plans are checked above)
+# KV heads than ranks, uneven chunks, experts, a statistic) and the DiTs (conditioning whole by
+# cost; a joined root), the rest with -m slow (CI time; their 4-rank plans are checked above)
 NUMERICS_AT_4_IN_CI = ("fused_qkv_mqa_rotary", "fused_qkv_slices", "moe_grouped_loop",
-                       "qk_norm_whole", "dit_adaln_zero")
+                       "qk_norm_whole", "dit_adaln_zero", "dit_single_stream")
 
 
 def _numerics_params() -> list:

@@ -76,3 +76,23 @@ def test_contains_and_positions():
     assert s.contains(full, Layout("q", 16))
     assert positions(((0, 16),), ((4, 8),)) == [(4, 8)]
     assert positions(((4, 8), (12, 16)), ((12, 14),)) == [(4, 6)]
+
+
+def test_a_joined_root_lays_its_parts_cuts_end_to_end():
+    # Flux's cat([attn, mlp]): 3 heads of 4 and 10 MLP features over 2 ranks; a rank holds its
+    # heads, then its MLP features, and the joined dim's ranges are each part's shifted
+    heads = RootSpec.build("q", 12, 2, [Demand("q", 0, 12, 4)])
+    mlp = RootSpec.build("m", 10, 2, [])
+    joined = RootSpec.joined("<cat>", 2, [(heads, 0, 12), (mlp, 0, 10)])
+    s = Specs(2, {"q": heads, "m": mlp, "<cat>": joined})
+    assert joined.parts == ("q", "m") and s.bases("<cat>") == ("q", "m") and s.bases("q") == ("q",)
+    assert s.ranges(Layout("<cat>", 22)) == (((0, 8), (12, 17)), ((8, 12), (17, 22)))
+    assert s.ranges(Layout("<cat>", 10, offset=12)) == s.ranges(Layout("m", 10))
+
+
+def test_a_joined_root_keeps_a_parts_cut_range_only():
+    # the part is the second of two fused chunks [8, 16) of a 16-wide root cut per chunk
+    fused = RootSpec.build("w", 16, 2, [Demand("w", 0, 8), Demand("w", 8, 16)])
+    joined = RootSpec.joined("<cat>", 2, [(fused, 8, 16), (fused, 0, 8)])
+    s = Specs(2, {"w": fused, "<cat>": joined})
+    assert s.ranges(Layout("<cat>", 16)) == (((0, 4), (8, 12)), ((4, 8), (12, 16)))

@@ -6,8 +6,9 @@ shards can be uneven (11008 over 3 ranks), head-aligned (whole heads only) and b
 fused qkv weight sharded per q/k/v chunk, with blocks that are too small to split replicated).
 
 Every layout derives from a *root*: the output-feature dimension of one column-parallel
-weight. A root is cut into blocks; each block is split over the ranks in whole *units*
-(``torch.tensor_split`` counts: the first ranks get one unit more) or, when it has fewer units
+weight, or a *joined* root: the dimension of a ``cat`` of shards of other roots, each part's
+blocks laid end to end (:meth:`RootSpec.joined`). A root is cut into blocks; each block is
+split over the ranks in whole *units* (``torch.tensor_split`` counts: the first ranks get one unit more) or, when it has fewer units
 than ranks, replicated on all of them. A derived layout maps index ``i`` of its own dimension to
 root indices ``[offset + (i // rep) * scale, ... + scale)``: ``scale`` appears when a feature
 dimension is viewed as ``(heads, head_dim)``, ``rep`` when grouped-query heads are repeated.
@@ -167,6 +168,8 @@ class RootSpec:
     size: int
     world_size: int
     blocks: tuple[Block, ...]
+    # the roots a joined root is laid end to end from (:meth:`joined`); empty for a weight's
+    parts: tuple[str, ...] = ()
 
     @staticmethod
     def build(name: str, size: int, world_size: int, demands: list[Demand]) -> "RootSpec":
@@ -183,6 +186,21 @@ class RootSpec:
                 replicated = True  # too few whole units for every rank: keep the block whole
             blocks.append(Block(start, stop, unit, replicated))
         return RootSpec(name, size, world_size, tuple(blocks))
+
+    @staticmethod
+    def joined(name: str, world_size: int, parts: list[tuple["RootSpec", int, int]]) -> "RootSpec":
+        """The root of a ``cat`` of shards of other roots: root ranges ``[lo, hi)`` of each
+        part laid end to end, each keeping its root's blocks (Flux's ``cat([attn, mlp])``: a
+        rank holds its heads, then its MLP features). Whether a part's blocks clip into whole
+        units is for the caller to check (the ranks' ranges of each part must be its own)."""
+        blocks, base = [], 0
+        for spec, lo, hi in parts:
+            for b in spec.blocks:
+                start, stop = max(b.start, lo), min(b.stop, hi)
+                if start < stop:
+                    blocks.append(replace(b, start=base + start - lo, stop=base + stop - lo))
+            base += hi - lo
+        return RootSpec(name, base, world_size, tuple(blocks), tuple(spec.name for spec, _, _ in parts))
 
     @cached_property
     def owned(self) -> tuple[Ranges, ...]:
@@ -229,6 +247,11 @@ class Specs:
     world_size: int
     roots: dict[str, RootSpec] = field(default_factory=dict)
     _cache: dict[Layout, tuple[Ranges, ...]] = field(default_factory=dict, repr=False)
+
+    def bases(self, root: str) -> tuple[str, ...]:
+        """The weights' roots behind ``root``: a joined root's parts, else ``root`` itself."""
+        spec = self.roots.get(root)
+        return spec.parts if spec is not None and spec.parts else (root,)
 
     def ranges(self, layout: Layout) -> tuple[Ranges, ...]:
         """Per rank, the index ranges of the layout's dimension it holds; raises Misaligned."""

@@ -10,8 +10,8 @@ as tpcompile would like it.
 
 The models live by the step they write differently: :mod:`zoo.idioms.skeleton` (the baseline),
 ``positions``, ``projections``, ``attention``, ``mlps`` and ``blocks`` (how a block adds its
-attention and MLP to the residual); ``diffusion`` holds the one model of another skeleton, a
-DiT on latents and timesteps (its inputs in ``INPUTS``); this module is the registry.
+attention and MLP to the residual); ``diffusion`` holds the models of another skeleton, DiTs on
+latents and timesteps (their inputs in ``INPUTS``); this module is the registry.
 ``IDIOMS[name]`` is a zero-argument factory, ``build(name)`` the deterministic model,
 ``EXPECT[name]`` what a Megatron-style plan of it is: which parameters are column-parallel,
 row-parallel and replicated (fnmatch globs on parameter FQNs), and the all-reduces per layer.
@@ -39,10 +39,11 @@ from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, Masked
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
                                   SelectiveScan, SqueezedMQA)
 from zoo.idioms.blocks import ParallelResidualFirst
-from zoo.idioms.diffusion import DiT, dit_inputs
-from zoo.idioms.mlps import (CastWeightsSwiGLU, EinsumMoE, FusedGateUp, GroupedExpertsLoop, IndexPutMoE,
-                             InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU, PerLayerInputLM,
-                             RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE, StackedMoE)
+from zoo.idioms.diffusion import DiT, SingleStreamDiT, dit_inputs
+from zoo.idioms.mlps import (CastWeightsSwiGLU, EinsumMoE, FusedGateUp, GroupedExpertsLoop,
+                             IndexPutMoE, InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU,
+                             PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE,
+                             StackedMoE)
 
 __all__ = ["IDIOMS", "EXPECT", "Expect", "INPUTS", "STYLES", "LAYERS", "VOCAB", "build",
            "example_inputs"]
@@ -289,6 +290,16 @@ _REGISTRY = [
             rowwise=ATTN_ROW + _in_layers("mlp.fc2.weight"),
             replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "layers.*.mlp.fc2.bias")
             + _in_layers("emb.*", "adaLN.*"))),
+    # Flux's single-stream blocks: q / k / v cut by heads and proj_mlp by columns; proj_out
+    # row-parallel over cat([attn, mlp]), each rank holding the rows of its heads and of its
+    # MLP slice: one all-reduce per block forward and backward. The shared conditioning, the
+    # per-head q / k norms and the patch embed and output layers whole
+    ("dit_single_stream", SingleStreamDiT,
+     Expect(colwise=_in_layers("attn.wq.*", "attn.wk.*", "attn.wv.*", "proj_mlp.*"),
+            rowwise=_in_layers("proj_out.weight"),
+            replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "emb.*")
+            + _in_layers("adaLN.*", "proj_out.bias", "attn.q_norm.weight", "attn.k_norm.weight"),
+            fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
 ]
 # what each idiom writes its own way, for the support table bench/idioms.py generates
 STYLES = {
@@ -340,9 +351,10 @@ STYLES = {
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
     "parallel_block_residual_first": "Cohere / litgpt `parallel_residual`: one norm, `x + attn(ln(x)) + mlp(ln(x))` with the residual added first",
     "dit_adaln_zero": "diffusers DiT (`ada_norm_zero`): Conv2d patch embed, a timestep embedder MLP per block (the final layer calls block 0's again), `Linear(D, 6D)` adaLN-Zero modulation, `proj_out_1` / `proj_out_2`",
+    "dit_single_stream": "diffusers Flux `FluxSingleTransformerBlock`: adaLN-single `Linear(D, 3D)`, attention (per-head q / k RMSNorm, no `to_out`) and a GELU MLP side by side, ONE `proj_out` over `cat([attn, mlp], -1)`",
 }
 # idiom -> its inputs ``(batch, seq, seed) -> tuple`` when not token ids: ``seq`` tokens
-INPUTS = {"dit_adaln_zero": dit_inputs}
+INPUTS = {"dit_adaln_zero": dit_inputs, "dit_single_stream": dit_inputs}
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}
 

@@ -1,15 +1,15 @@
 """A diffusion transformer (DiT) in diffusers' layout: conditioning chains beside the blocks.
 
-Latents ``(B, C, 3, 3T)`` are cut into ``T`` patches of ``3 x 3`` by a strided Conv2d (so any
-token count ``T`` makes an image; 3, not diffusers' usual 2, so that no size of the example
-equals its batch of 2, which export would take for the same symbol), then ``LAYERS`` adaLN-Zero blocks and a final adaLN layer
-project the tokens back to patches. As in diffusers' ``DiTTransformer2DModel`` with
-``norm_type="ada_norm_zero"``, every block owns a timestep embedder (sinusoidal features ->
-Linear -> SiLU -> Linear) and its modulation (SiLU -> ``Linear(D, 6D)`` chunked into shift,
-scale and gate for attention and MLP), and the final layer calls the *first* block's embedder
-again. The attention (non-causal SDPA, separate q/k/v/o) and the GELU MLP are the blocks' two
-column -> row chains; the conditioning runs on ``(B, D)``: one row per sample, whatever the
-image size, which is why a hand plan keeps it whole.
+Latents ``(B, C, 3, 3T)`` are cut into ``T`` patches of ``3 x 3`` by a strided Conv2d (so any token
+count ``T`` makes an image; 3, not diffusers' usual 2, so that no size of the example equals its
+batch of 2, which export would take for the same symbol), then ``LAYERS`` adaLN-Zero blocks and a
+final adaLN layer project the tokens back to patches. As in diffusers' ``DiTTransformer2DModel``
+with ``norm_type="ada_norm_zero"``, every block owns a timestep embedder (sinusoidal features ->
+Linear -> SiLU -> Linear) and its modulation (SiLU -> ``Linear(D, 6D)`` chunked into shift, scale
+and gate for attention and MLP), and the final layer calls the *first* block's embedder again. The
+attention (non-causal SDPA, separate q/k/v/o) and the GELU MLP are the blocks' two column -> row
+chains; the conditioning runs on ``(B, D)``: one row per sample, whatever the image size, which is
+why a hand plan keeps it whole. ``SingleStreamDiT`` swaps in Flux's single-stream blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.idioms.skeleton import D, HIDDEN, LAYERS, Attention
+from zoo.idioms.skeleton import D, HIDDEN, LAYERS, Attention, RMSNorm
 
 CHANNELS, PATCH, FREQUENCIES = 4, 3, 32
 
@@ -82,10 +82,10 @@ class DiTBlock(nn.Module):
 class DiT(nn.Module):
     """Patch embed -> adaLN-Zero blocks -> final adaLN -> patches; ``forward(latents, t)``."""
 
-    def __init__(self):
+    def __init__(self, block=DiTBlock):
         super().__init__()
         self.patch = nn.Conv2d(CHANNELS, D, PATCH, stride=PATCH)
-        self.layers = nn.ModuleList(DiTBlock() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
         self.norm_out = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.proj_out_1 = nn.Linear(D, 2 * D)
         self.proj_out_2 = nn.Linear(D, PATCH * PATCH * CHANNELS)
@@ -93,12 +93,21 @@ class DiT(nn.Module):
     def forward(self, latents, t):
         B, C, H, W = latents.shape
         x = self.patch(latents).flatten(2).transpose(1, 2)  # (B, T, D)
+        cond = self.condition(t)
         for layer in self.layers:
-            x = layer(x, t)
-        shift, scale = self.proj_out_1(F.silu(self.layers[0].emb(t))).chunk(2, dim=-1)
+            x = layer(x, cond)
+        shift, scale = self.proj_out_1(F.silu(self.final_condition(t, cond))).chunk(2, dim=-1)
         x = self.proj_out_2(modulate(self.norm_out(x), shift, scale))
         x = x.view(B, H // PATCH, W // PATCH, PATCH, PATCH, C)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+
+    def condition(self, t):
+        """What every block is conditioned on: the timestep (each block embeds it itself)."""
+        return t
+
+    def final_condition(self, t, cond):
+        """The final layer's conditioning: the first block's embedder called again."""
+        return self.layers[0].emb(t)
 
 
 def dit_inputs(batch: int, seq: int, seed: int) -> tuple:
@@ -106,3 +115,53 @@ def dit_inputs(batch: int, seq: int, seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(batch, CHANNELS, PATCH, PATCH * seq, generator=g),
             torch.randint(0, 1000, (batch,), generator=g))
+
+
+class SingleStreamAttention(FullAttention):
+    """Flux's single-stream attention: q / k / v projections with biases and per-head RMSNorms
+    on q and k, and no output projection (the block's ``proj_out`` is it): ``(B, T, D)`` out."""
+
+    def init_projections(self, linear):
+        self.wq, self.wk, self.wv = (linear(D, D) for _ in range(3))
+        self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)
+
+    def position(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
+
+    def output(self, y):
+        return y.reshape(*y.shape[:2], -1)
+
+
+class SingleStreamBlock(nn.Module):
+    """diffusers' ``FluxSingleTransformerBlock``: adaLN-single (``Linear(D, 3D)`` of the shared
+    conditioning: shift, scale, gate), attention and a GELU MLP side by side on one normed input,
+    and ONE output projection over ``cat([attn, mlp], -1)``, gated into the residual."""
+
+    def __init__(self, hidden: int = 4 * D):
+        super().__init__()
+        self.adaLN = nn.Linear(D, 3 * D)
+        self.norm = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.attn = SingleStreamAttention()
+        self.proj_mlp = nn.Linear(D, hidden)
+        self.proj_out = nn.Linear(D + hidden, D)
+
+    def forward(self, x, cond):
+        shift, scale, gate = self.adaLN(F.silu(cond)).chunk(3, dim=-1)
+        h = modulate(self.norm(x), shift, scale)
+        mlp = F.gelu(self.proj_mlp(h), approximate="tanh")
+        return x + gate[:, None] * self.proj_out(torch.cat([self.attn(h), mlp], dim=-1))
+
+
+class SingleStreamDiT(DiT):
+    """The DiT skeleton with ``LAYERS`` single-stream blocks conditioned on one shared timestep
+    embedding (Flux's ``time_text_embed``), the final layer's too; ``forward(latents, t)``."""
+
+    def __init__(self):
+        super().__init__(block=SingleStreamBlock)
+        self.emb = TimestepEmbedder()
+
+    def condition(self, t):
+        return self.emb(t)
+
+    def final_condition(self, t, cond):
+        return cond

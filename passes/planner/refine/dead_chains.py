@@ -37,7 +37,7 @@ def dead_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints
         for arg in node.all_input_nodes:  # sharded in, partial or replicated out: an exit
             p = consumed(state, arg, node)
             if isinstance(p, Shard):
-                exits.add(p.layout.root)
+                exits.update(state.specs.bases(p.layout.root))
     for (value, user), dst in state.conversions.items():
         src = state.placements.get(value)
         if not isinstance(src, Shard) or local_slice(state.specs, src, dst):
@@ -45,16 +45,18 @@ def dead_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints
         refused = (f"{user.name} ({origin(user)}) reads {value.name} {src} as {dst}"
                    if user.op != "output" else f"the model's output {value.name} is {src} "
                    "(outputs are whole; loss_parallel=True keeps logits sharded)")
-        if user.name in state.fallbacks:  # an op with no rule: where the chain ends
-            ends.setdefault(src.layout.root, f"{user.name} ({origin(user)}): "
-                                             f"{state.fallbacks[user.name]}")
-        else:
-            # a rule that needs the whole dim (a norm over features, the graph output): the
-            # chain leaks into replicated code and would gather there on every step
-            leaks.setdefault(src.layout.root, refused)
+        for root in state.specs.bases(src.layout.root):
+            if user.name in state.fallbacks:  # an op with no rule: where the chain ends
+                ends.setdefault(root, f"{user.name} ({origin(user)}): "
+                                      f"{state.fallbacks[user.name]}")
+            else:
+                # a rule that needs the whole dim (a norm over features, the graph output):
+                # the chain leaks into replicated code and would gather there on every step
+                leaks.setdefault(root, refused)
     if options.loss_parallel:  # sharded logits handed to the user are an exit too
-        exits |= {p.layout.root for a in state.output.all_input_nodes
-                  if isinstance(p := consumed(state, a, state.output), Shard)}
+        exits |= {r for a in state.output.all_input_nodes
+                  if isinstance(p := consumed(state, a, state.output), Shard)
+                  for r in state.specs.bases(p.layout.root)}
     reductions = _reductions_by_root(state)
     dead = {}
     for component in nx.connected_components(chains):

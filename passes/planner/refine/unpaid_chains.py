@@ -68,5 +68,5 @@ def _price(state: Propagation, needs_grad: frozenset, component: set, cols: set,
 
 def _sharded_from(state: Propagation, value: fx.Node, user: fx.Node, component: set) -> bool:
     p = consumed(state, value, user)
-    return isinstance(p, Shard) and p.layout.root in component
+    return isinstance(p, Shard) and not component.isdisjoint(state.specs.bases(p.layout.root))
 

@@ -9,7 +9,7 @@ import operator
 import torch
 from torch import fx
 
-from tpcompile.core.placement import Layout, Partial, Replicate, Shard
+from tpcompile.core.placement import Layout, Partial, Replicate, RootSpec, Shard
 from tpcompile.passes.planner.dims import norm_dim, shape, sub_layout, val
 from tpcompile.passes.planner.mutations import written_args
 from tpcompile.passes.planner.rules.dim_maps import (
@@ -211,7 +211,8 @@ def _cat(op):
     rank (DeepSeek's MLA joins head-sharded ``k_nope`` with a ``k_pe`` every rank computes,
     expanded over the heads: each rank keeps its heads of it, at no cost). Pieces that each
     hold their part of one block of a cut (RoPE's ``cat((-x2, x1), -1)`` over a head_dim cut
-    like its halves) join on each rank with no gather (:func:`_joined`)."""
+    like its halves) join on each rank with no gather (:func:`_joined`); so do shards of
+    different roots, into a root of their own (:func:`_laid_end_to_end`)."""
     tensors = [t for t in op.node.args[0] if isinstance(val(t), torch.Tensor)]
     n = len(shape(op.node))
     dim = norm_dim(op.node.args[1] if len(op.node.args) > 1 else 0, n)
@@ -221,6 +222,8 @@ def _cat(op):
     across = [t for t in tensors if isinstance(p := op.placement(t), Shard) and p.dim == dim]
     if across and (joined := _joined(op, tensors, dim)) is not None:
         return joined
+    if len(across) == len(tensors) > 1 and (laid := _laid_end_to_end(op, tensors, dim)) is not None:
+        return laid
     rest = [t for t in tensors if t not in across]
     operands = [(t, [d if d != dim else None for d in range(len(shape(t)))]) for t in rest]
     out = (einsum_rule(op, operands, [d if d != dim else "cat" for d in range(n)], linear="add")
@@ -257,6 +260,38 @@ def _joined(op, tensors: list, dim: int) -> Shard | None:
             return None
         start += lay.size
     return Shard(dim, block)
+
+
+def _laid_end_to_end(op, tensors: list, dim: int) -> Shard | None:
+    """A cat along the sharded dim of shards of different roots (Flux's ``cat([attn, mlp])``
+    of heads and MLP features) runs on each rank's pieces, its output cut by a root of its
+    own: the pieces' root ranges laid end to end (:meth:`RootSpec.joined`), a rank holding its
+    part of each piece in turn, which a row-parallel consumer's weight rows follow. None (the
+    pieces gathered) where a piece is not a plain range of its root cut in whole blocks, holds
+    indices on several ranks (a sum over the joined dim would count them twice), or a demand
+    names the joined root (its cut is its pieces', not one a demand can change)."""
+    layouts = [op.placement(t).layout for t in tensors]
+    # index i of a piece is root index offset + i: plain, or whole heads (scale == rep)
+    if any(lay.rep != lay.scale or lay.copies != 1 or lay.tiles != 1 or lay.cover
+           or lay.root.startswith("<")  # sequence or joined roots: gathered
+           or op.specs.overlaps(lay) for lay in layouts):
+        return None
+    name = f"<{op.node.name}>"
+    if any(d.root == name for d in op.constraints.demands):
+        return None
+    spec = op.specs.roots.get(name) or RootSpec.joined(
+        name, op.specs.world_size, [(op.specs.roots[lay.root], *lay.covered()) for lay in layouts])
+    if spec.size != sum(lay.size for lay in layouts):  # a piece of a part-head: no root range
+        return None
+    whole = Layout(name, spec.size)
+    op.specs.roots[name] = spec
+    start = 0
+    for lay in layouts:
+        if op.specs.ranges(sub_layout(whole, start, start + lay.size)) != op.specs.ranges(lay):
+            return None  # a part's blocks clip through a unit: its ranks' ranges would move
+        start += lay.size
+    op.link(*(lay.root for lay in layouts))
+    return Shard(dim, whole)
 
 
 @register(aten._assert_tensor_metadata.default,
