@@ -81,7 +81,8 @@ def test_forward_and_every_gradient_exact(kind, world_size):
     model = flex_models.torchtitan(kind)[0]
     # every block matrix (stacked experts too) but the MoE router's gate (a router stays whole:
     # its output picks experts by topk) and what the bound asks split that stays whole
-    blocks = sum(p.dim() >= 2 and ".router." not in n and not n.endswith(WHOLE_BY_BOUND.get(kind, "-"))
+    whole = WHOLE_BY_BOUND.get(kind, "-")
+    blocks = sum(p.dim() >= 2 and ".router." not in n and not n.endswith(whole)
                  for n, p in model.named_parameters() if n.startswith("layers."))
     for result in (r[kind] for r in _runs[world_size]):
         assert "error" not in result, result["error"]

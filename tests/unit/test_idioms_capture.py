@@ -39,7 +39,8 @@ def test_the_readme_counts_the_corpus_the_results_file_measured():
     root = Path(__file__).resolve().parents[2]
     readme = " ".join((root / "README.md").read_text().split())
     measured = (root / "bench" / "results" / "idioms.md").read_text()
-    ok, rows = map(int, re.search(r"^(\d+) of (\d+) rows are the Megatron plan", measured, re.M).groups())
+    found = re.search(r"^(\d+) of (\d+) rows are the Megatron plan", measured, re.M)
+    ok, rows = map(int, found.groups())
     assert rows == 2 * len(NAMES), "rerun `python -m bench.idioms --numerics`"
     assert f"in all {rows} (idiom, ranks) rows" in readme
     assert f"{ok} of {rows} rows of its {len(NAMES)}" in readme

@@ -8,8 +8,8 @@ fused qkv weight sharded per q/k/v chunk, with blocks that are too small to spli
 Every layout derives from a *root*: the output-feature dimension of one column-parallel
 weight, or a *joined* root: the dimension of a ``cat`` of shards of other roots, each part's
 blocks laid end to end (:meth:`RootSpec.joined`). A root is cut into blocks; each block is
-split over the ranks in whole *units* (``torch.tensor_split`` counts: the first ranks get one unit more) or, when it has fewer units
-than ranks, replicated on all of them. A derived layout maps index ``i`` of its own dimension to
+split over the ranks in whole *units* (``torch.tensor_split`` counts: the first ranks get one
+unit more) or, when it has fewer units than ranks, replicated on all of them. A derived layout maps index ``i`` of its own dimension to
 root indices ``[offset + (i // rep) * scale, ... + scale)``: ``scale`` appears when a feature
 dimension is viewed as ``(heads, head_dim)``, ``rep`` when grouped-query heads are repeated.
 ``copies`` appears when a fused dimension is viewed with its chunk index split off
@@ -200,7 +200,8 @@ class RootSpec:
                 if start < stop:
                     blocks.append(replace(b, start=base + start - lo, stop=base + stop - lo))
             base += hi - lo
-        return RootSpec(name, base, world_size, tuple(blocks), tuple(spec.name for spec, _, _ in parts))
+        names = tuple(spec.name for spec, _, _ in parts)
+        return RootSpec(name, base, world_size, tuple(blocks), names)
 
     @cached_property
     def owned(self) -> tuple[Ranges, ...]:
