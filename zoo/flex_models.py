@@ -4,11 +4,14 @@ Each case is one pre-norm attention block whose ``flex_attention`` call reads th
 in its ``score_mod`` (ALiBi: head ``h`` adds ``-slope(h) * |q - kv|``, ``slope(h) = 2 **
 (-8 (h + 1) / H)``), so a rank that saw its local head index would bias its heads like rank
 0's. The block mask comes in as a call input (a ``BlockMask``, as torchtitan passes it) or is
-built inside ``forward`` by ``create_block_mask``. The slopes may also be a table the ``score_mod`` indexes by the head
-(``slope_table``): a tensor it closes over, read whole with the global index. ``math=True`` builds the same block
-computing the same attention with explicit scores, softmax and ``masked_fill``: the unsharded
-reference whose gradients CPU can compute (torch refuses flex attention's backward on CPU
-inputs that require grad).
+built inside ``forward`` by ``create_block_mask``. The slopes may also be a table the
+``score_mod`` indexes by the head (``slope_table``): a tensor it closes over, read whole with
+the global index. ``math=True`` builds the same block computing the same attention with
+explicit scores, softmax and ``masked_fill``: the unsharded reference whose gradients CPU can
+compute (torch refuses flex attention's backward on CPU inputs that require grad).
+
+``VarlenBlock`` is one such block on packed sequences through ``torch.nn.attention.varlen``,
+whose op torch runs only with CUDA kernels: :func:`register_varlen_math` gives it a CPU one.
 """
 
 from __future__ import annotations
