@@ -11,6 +11,7 @@ from __future__ import annotations
 import traceback
 
 import torch
+import torch.distributed as dist
 from torch.nn.attention.flex_attention import create_block_mask
 
 import tpcompile
@@ -97,3 +98,44 @@ def varlen_cases(rank: int, world_size: int, kv_heads: list[int]) -> dict:
         except Exception:  # noqa: BLE001 - returned to the test, which fails with it
             out[kv] = {"error": traceback.format_exc()[-3000:]}
     return out
+
+
+def titan_fsdp_tp(rank: int, world_size: int, kind: str, steps: int) -> dict:
+    """torchtitan 0.3's ``kind`` debug model as torchtitan trains it, with tpcompile's plan for
+    its hand TP plan: a (dp 2, tp world/2) mesh, the model parallelized over ``tp``, FSDP2 over
+    ``dp`` on each block and the root, each dp rank on its half of the batch (its own document
+    mask), AdamW. Per step, the global loss; and the same steps of the unsharded captured
+    graph (the reference CPU can train: torch refuses flex attention's own backward on CPU) on
+    the whole batch."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    model, (tokens,), _ = flex_models.torchtitan(kind)
+    vocab = model.config.vocab_size
+
+    def loss_of(logits, ids):
+        return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
+
+    def masks(ids):
+        return {"attention_masks": model.get_attention_masks(
+            torch.arange(ids.shape[1]).repeat(ids.shape[0], 1))}
+
+    mine = tokens.chunk(2)[mesh["dp"].get_local_rank()]
+    whole = capture(model, (tokens,), masks(tokens)).gm
+    tp = tpcompile.parallelize(model, (mine,), example_kwargs=masks(mine), mesh=mesh["tp"])
+    tpcompile.fully_shard_blocks(tp, mesh["dp"])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (tp, whole)]
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(tp(mine, **masks(mine)), mine)
+        reference = loss_of(whole(tokens, **masks(tokens)), tokens)
+        for opt, lo in zip(opts, (loss, reference)):
+            opt.zero_grad()
+            lo.backward()
+            opt.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=mesh["dp"].get_group())
+        losses.append((loss.item() / 2, reference.item()))
+    return {"losses": losses}

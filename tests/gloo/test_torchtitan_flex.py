@@ -28,6 +28,9 @@ own forward fails on CPU (its combine scatters bfloat16 expert rows into a float
 bfloat16 a router's top-k flips between a sharded and an unsharded sum of the same tokens
 (0.1 relative output difference at 2 ranks), so outputs are not comparable. Varlen attention's
 numerics are tested on a block of its own (test_flex_attention, a math CPU kernel).
+
+llama3 is also trained as torchtitan trains it, on a 2-D mesh with FSDP2 over the data-parallel
+dim (``test_trained_as_torchtitan_trains_it_with_fsdp2_on_a_2d_mesh``).
 """
 
 from __future__ import annotations
@@ -108,3 +111,15 @@ def test_inference_only_models_are_refused_for_training_and_planned_at_the_bound
     assert {"layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.sinks",
             "layers.0.attention.wo.weight",
             "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"} <= cut, cut
+
+
+def test_trained_as_torchtitan_trains_it_with_fsdp2_on_a_2d_mesh():
+    """llama3 on a (dp 2, tp 2) mesh of 4 gloo ranks: parallelized over tp, FSDP2 over dp on
+    each block and the root (``fully_shard_blocks``, torchtitan's order), each dp rank on its
+    half of the batch, 3 AdamW steps: every step's global loss is the unsharded captured
+    graph's on the whole batch. torchtitan's own trainer and hand TP plan are not the
+    reference: they run the model's flex attention, whose backward torch refuses on CPU."""
+    (result,) = {repr(r): r for r in run_on_ranks(f"{BODIES}:titan_fsdp_tp", 4, "llama3", 3,
+                                                   timeout=1800)}.values()
+    for got, want in result["losses"]:
+        assert abs(got - want) <= 1e-5 * abs(want), result["losses"]
