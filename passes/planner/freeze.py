@@ -193,7 +193,7 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
 
 def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str], cap: Capture,
                        ws: int) -> str:
-    users = list(node.users)
+    users = [u for u in node.users if val(u) is not None]  # not export's metadata checks
     if node.target in cap.subclass_parts and node.target not in cap.params:
         return killed.get(node.target) or _scales_a_sum(node, state) or undequantized_reason(node)
     if node.target not in cap.params:
