@@ -1,0 +1,171 @@
+"""Every transformer / UNet model class of the installed diffusers at a tiny config, with example
+inputs read off its forward signature, wrapped to return one tensor (bench/diffusers_sweep.py).
+
+The classes: ``diffusers.models``' ``*Transformer*Model`` and ``UNet*Model`` names, enumerated
+(``classes``), none hand-picked. A class's config is its ``__init__`` defaults scaled down by
+parameter name (``_shrink``: layer counts 1, 2 heads of 16, text / pooled / caption widths 32,
+sample sizes 8), then ``OVERRIDES`` where a class needs fields that agree with each other
+(UNet channel lists, RoPE axes that sum to the head width). Inputs: each forward parameter
+without a default (and the usual conditioning ones with one) made from its name
+(``_input``); the model runs with ``return_dict=False`` and its first tensor out is the
+output (``Wrapped``). A class these heuristics cannot build is a ``not built`` row with the
+error: a config or input problem of this sweep, not tpcompile's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+from torch import nn
+
+BATCH, TEXT_TOKENS, TEXT_DIM, SIDE = 2, 5, 32, 8
+
+# per-class fields the name rules cannot infer (applied after them)
+OVERRIDES: dict[str, dict] = {
+    "FluxTransformer2DModel": {"axes_dims_rope": (4, 6, 6), "in_channels": 4},
+    "Flux2Transformer2DModel": {"axes_dims_rope": (4, 4, 4, 4), "in_channels": 4},
+    "ChromaTransformer2DModel": {"axes_dims_rope": (4, 6, 6), "in_channels": 4},
+    "BriaTransformer2DModel": {"axes_dims_rope": (4, 6, 6), "in_channels": 4},
+    "LongCatImageTransformer2DModel": {"axes_dims_rope": (4, 6, 6), "in_channels": 4},
+    "OvisImageTransformer2DModel": {"axes_dims_rope": (4, 6, 6), "in_channels": 4},
+    "UNet2DConditionModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
+                             "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+                             "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")},
+    "UNet2DModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
+                    "down_block_types": ("DownBlock2D", "AttnDownBlock2D"),
+                    "up_block_types": ("AttnUpBlock2D", "UpBlock2D")},
+    "UNet3DConditionModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
+                             "down_block_types": ("CrossAttnDownBlock3D", "DownBlock3D"),
+                             "up_block_types": ("UpBlock3D", "CrossAttnUpBlock3D")},
+    "Transformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
+    "DualTransformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
+    "TransformerTemporalModel": {"in_channels": 32, "norm_num_groups": 32},
+}
+
+# video models whose latents are (batch, frames, channels, height, width)
+FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")
+
+_LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
+                     r"^num_\w*(layers|blocks)$")
+_HEADS = re.compile(r"^(num_attention_heads|num_heads|attention_heads|heads|n_heads)$")
+_HEAD_DIM = re.compile(r"^(attention_head_dim|head_dim)$")
+_TEXT = re.compile(r"(joint_attention_dim|cross_attention_dim|caption_channels|text_dim|"
+                   r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim)$")
+_SIZE = re.compile(r"^(sample_size|sample_height|sample_width)$")
+
+
+def classes() -> dict[str, type]:
+    """``diffusers.models``' transformer and UNet model classes, by name."""
+    import diffusers.models as models
+
+    return {n: getattr(models, n) for n in dir(models)
+            if n.endswith("Model") and ("Transformer" in n or n.startswith("UNet"))}
+
+
+def _shrink(name: str, cls: type) -> dict:
+    kwargs = {}
+    for p, param in inspect.signature(cls.__init__).parameters.items():
+        value = param.default
+        if isinstance(value, bool) or not isinstance(value, (int, tuple, list)):
+            continue
+        if _LAYERS.search(p) and isinstance(value, int):
+            kwargs[p] = 1
+        elif _HEADS.match(p) and isinstance(value, int):
+            kwargs[p] = 2
+        elif _HEAD_DIM.match(p) and isinstance(value, int):
+            kwargs[p] = 16
+        elif _TEXT.search(p) and isinstance(value, int):
+            kwargs[p] = TEXT_DIM
+        elif _SIZE.match(p) and isinstance(value, int):
+            kwargs[p] = SIDE
+    return {**kwargs, **OVERRIDES.get(name, {})}
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    cls = classes()[name]
+    model = cls(**_shrink(name, cls))
+    return Wrapped(model, *example_arguments(model))
+
+
+def n_layers(model: nn.Module) -> int:
+    """The tiny config's largest layer count (what the verdict expects to find per layer)."""
+    cfg = model.model.config
+    return max([v for k, v in cfg.items() if _LAYERS.search(k) and isinstance(v, int)] or [1])
+
+
+def _channels(cfg) -> int:
+    return next((cfg[k] for k in ("in_channels", "in_dim", "latent_channels", "num_channels")
+                 if isinstance(cfg.get(k), int)), 4)
+
+
+def _latent(name: str, cfg, tokens: bool) -> torch.Tensor:
+    c = _channels(cfg)
+    if tokens:  # Flux-style: already patchified (B, N, C)
+        return torch.randn(BATCH, SIDE * SIDE // 4, c)
+    if name in FRAMES_FIRST:
+        return torch.randn(BATCH, 2, c, SIDE, SIDE)
+    if "3D" in name or "Temporal" in name or "Motion" in name or "Spatio" in name:
+        return torch.randn(BATCH, c, 2, SIDE, SIDE)
+    if "1D" in name:
+        return torch.randn(BATCH, c, 16)
+    return torch.randn(BATCH, c, SIDE, SIDE)
+
+
+def _input(p: str, name: str, cfg, params) -> object:
+    """An example value for forward parameter ``p``, or ``inspect.Parameter.empty`` to leave it."""
+    tokens = "img_ids" in params
+    if p in ("hidden_states", "sample", "x"):
+        return _latent(name, cfg, tokens)
+    if p in ("encoder_hidden_states", "cap_feats", "text_bth", "encoder_hidden_states_t5"):
+        return torch.randn(BATCH, TEXT_TOKENS, TEXT_DIM)
+    if p in ("pooled_projections", "pooled_embeds"):
+        return torch.randn(BATCH, TEXT_DIM)
+    if p in ("timestep", "timesteps", "t"):
+        return torch.tensor([0.3, 0.7])
+    if p == "guidance" and cfg.get("guidance_embeds"):
+        return torch.tensor([3.5, 3.5])
+    if p == "class_labels" and cfg.get("num_class_embeds", 0) is not None:
+        return torch.zeros(BATCH, dtype=torch.long)
+    if p in ("encoder_attention_mask", "encoder_hidden_states_mask"):
+        return torch.ones(BATCH, TEXT_TOKENS)
+    if p in ("original_size", "target_size", "crop_coords"):
+        return torch.tensor([[SIDE, SIDE]] * BATCH, dtype=torch.float)
+    if p in ("img_ids", "txt_ids"):
+        axes = len(cfg.get("axes_dims_rope") or (0, 0, 0))
+        return torch.zeros(SIDE * SIDE // 4 if p == "img_ids" else TEXT_TOKENS, axes)
+    return inspect.Parameter.empty
+
+
+def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
+    """The forward parameters given and their example tensors."""
+    name, params = type(model).__name__, inspect.signature(model.forward).parameters
+    names, values = [], []
+    for p, param in params.items():
+        value = _input(p, name, model.config, params)
+        if value is inspect.Parameter.empty:
+            if param.default is inspect.Parameter.empty and param.kind not in (
+                    param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"no example input for required forward argument {p!r}")
+            continue
+        names.append(p)
+        values.append(value)
+    return names, tuple(values)
+
+
+class Wrapped(nn.Module):
+    """``model(**dict(zip(names, inputs)), return_dict=False)``'s first tensor."""
+
+    def __init__(self, model: nn.Module, names: list[str], inputs: tuple):
+        super().__init__()
+        self.model, self.names, self.inputs = model, names, inputs
+        self.return_dict = "return_dict" in inspect.signature(model.forward).parameters
+
+    def forward(self, *inputs):
+        kwargs = dict(zip(self.names, inputs))
+        out = self.model(**kwargs, return_dict=False) if self.return_dict else self.model(**kwargs)
+        while not isinstance(out, torch.Tensor):
+            out = out[0] if isinstance(out, (tuple, list)) else out.sample
+        return out
