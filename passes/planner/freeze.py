@@ -21,7 +21,7 @@ from tpcompile.passes.planner.dims import shape, sub_layout, val
 from tpcompile.passes.planner.experts.placement import expert_placements
 from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole_roots
 from tpcompile.passes.planner.propagate import (
-    Constraints, Propagation, same_placement, carrier_chain, view_chain,
+    Constraints, Propagation, same_placement, carrier_chain, view_chain, weight_chain,
 )
 from tpcompile.passes.planner.rules.quantized import dequantized_readers, undequantized_reason
 from tpcompile.passes.planner.absorb_dequantized import absorb_dequantized
@@ -178,7 +178,7 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     """The ops reading a weight's values past its views and the ops carrying its cut whole (a
     cast: ``w.bfloat16()``), through every branch where it forks into views (stacked experts
     picked one by one). Export's metadata checks read no value."""
-    end = carrier_chain(node)[-1]
+    end = weight_chain(node)[-1]
     if end is node and len(node.users) > 1 and all(is_view(u) for u in node.users):
         return [r for u in node.users for r in view_chain(u)[-1].users]
     return [u for u in end.users if val(u) is not None]

@@ -27,12 +27,12 @@ from tpcompile.core.plan import PlanOptions
 from tpcompile.passes.planner.dims import agreeing_cut, shape, sub_layout, val
 from tpcompile.passes.planner.experts.placement import choose_column, grouped_mode, place_experts
 from tpcompile.passes.planner.rules.quantized import dequantized_weight, stored_behind
-from tpcompile.passes.planner.rules import is_view, piece_of, rule_for, shard_map
+from tpcompile.passes.planner.rules import is_lookup, is_view, piece_of, rule_for, shard_map
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
-           "local_slice", "same_placement", "visit"]
+           "weight_chain", "passes_cut", "local_slice", "same_placement", "visit"]
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -256,7 +256,7 @@ class OpView:
         piece = piece_of(arg) if isinstance(arg, fx.Node) else None
         node = piece[0] if piece is not None and len(arg.users) == 1 else arg
         while isinstance(node, fx.Node) and not self.is_param(node):
-            if shard_map(node) is None or len(_readers(node)) != 1:
+            if not passes_cut(node) or len(_readers(node)) != 1:
                 return dequantized_weight(arg) if isinstance(arg, fx.Node) else None
             node = node.args[0]
         return node if isinstance(node, fx.Node) and len(node.users) >= 1 else None
@@ -333,6 +333,19 @@ def carrier_chain(node: fx.Node) -> list[fx.Node]:
     (no value) are not counted as users."""
     return _chain(node, lambda u: shard_map(u) is not None,
                   _readers)
+
+
+def passes_cut(node: fx.Node) -> bool:
+    """A weight's cut passes through ``node`` unchanged: a view, or an elementwise op of one
+    tensor that keeps its shape (a cast, ``w.bfloat16()``). A lookup carries a cut too, but it
+    is the weight's reader."""
+    return shard_map(node) is not None and not is_lookup(node)
+
+
+def weight_chain(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the ops its cut passes through (:func:`passes_cut`), one value reader each:
+    a weight and its views and casts up to the op that reads it."""
+    return _chain(node, passes_cut, _readers)
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:
