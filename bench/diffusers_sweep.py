@@ -5,7 +5,7 @@
 
 What bench/hf_sweep.py is for causal LMs, for diffusers: the classes, their tiny configs and
 example inputs come from bench/diffusers_configs.py. Each class runs in its own subprocess
-with a timeout (a hang or a crash is a row): the wrapped model runs unsharded (a class that
+with a timeout (hf_sweep's ``run_one_subprocess``: a hang or a crash is a row): the wrapped model runs unsharded (a class that
 fails here is *not built*: this sweep's config or inputs, not tpcompile), then
 ``tpcompile.explain(model, inputs, 2)`` judged against Megatron's bound derived from the model
 (bench/hf_verdict.py's ``plan_row``: the same statuses) and, with ``--numerics``, the output
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -29,12 +27,12 @@ from types import SimpleNamespace
 
 from bench.diffusers_configs import build, classes, n_layers
 from bench.hf_configs import first_line
-from bench.hf_numerics import NUMERICS_TIMEOUT_S, TOLERANCE, WORLD_SIZE
+from bench.hf_numerics import TOLERANCE, WORLD_SIZE, on_ranks
 from bench.hf_report import category, counts, numerics_cell
+from bench.hf_sweep import run_one_subprocess
 from bench.hf_verdict import plan_row
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TIMEOUT_S = 120
 COMMAND = "nice -n 19 python -m bench.diffusers_sweep --numerics"
 
 
@@ -58,21 +56,7 @@ def _numerics_rank(rank: int, world_size: int, name: str) -> dict:
 
 def run_numerics(name: str) -> dict:
     """The output and every gradient on 2 gloo ranks against the unsharded model, float32."""
-    from tpcompile.tools.launch import run_on_ranks
-
-    try:
-        per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", WORLD_SIZE, name,
-                                timeout=NUMERICS_TIMEOUT_S - 20)
-    except Exception as e:  # noqa: BLE001
-        return {"error": first_line(e)}
-    failed = [r for r in per_rank if "error" in r]
-    if failed:
-        return failed[0]
-    worst = max(per_rank, key=lambda r: r["max_grad_err"])
-    out = max(r["output_err"] for r in per_rank)
-    return {"output_err": out, "max_grad_err": worst["max_grad_err"],
-            "worst_grad": worst["worst_grad"],
-            "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
+    return on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", name)
 
 
 def measure(name: str, numerics: bool) -> dict:
@@ -94,27 +78,6 @@ def measure(name: str, numerics: bool) -> dict:
         row["numerics"] = run_numerics(name)
         row["exact"] = row["numerics"].get("exact", False)
     return row
-
-
-def run_one_subprocess(name: str, numerics: bool) -> dict:
-    timeout = TIMEOUT_S + (NUMERICS_TIMEOUT_S if numerics else 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", "bench.diffusers_sweep", "--one", name, "--out", str(out)]
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd + (["--numerics"] if numerics else []), capture_output=True,
-                                  text=True, timeout=timeout,
-                                  cwd=Path(__file__).resolve().parents[1],
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-        except subprocess.TimeoutExpired:
-            return {"family": name, "status": "timeout", "why": f"no result in {timeout} s",
-                    "seconds": time.perf_counter() - start}
-        if out.exists():
-            return json.loads(out.read_text())
-        return {"family": name, "status": "crash",
-                "why": f"exit {proc.returncode}: {first_line(proc.stderr)}",
-                "trace": proc.stderr[-3000:], "seconds": time.perf_counter() - start}
 
 
 def _one(name: str, out: str, numerics: bool) -> None:
@@ -186,7 +149,7 @@ def main(argv=None) -> None:
             "command": COMMAND if args.numerics else COMMAND.replace(" --numerics", "")}
     rows = []
     for name in args.only or sorted(classes()):
-        rows.append(run_one_subprocess(name, args.numerics))
+        rows.append(run_one_subprocess(name, args.numerics, "bench.diffusers_sweep"))
         r = rows[-1]
         print(f"[{r.get('seconds', 0):5.1f}s] {name}: {r['status']} {r.get('why', '')[:150]} "
               f"{numerics_cell(r) if args.numerics else ''}", file=sys.stderr, flush=True)

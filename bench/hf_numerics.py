@@ -103,19 +103,34 @@ def _float32_rounding(name: str, mode: str) -> float:
 
 
 def _numerics_on_ranks(name: str, mode: str, double: bool = False) -> dict:
+    return on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", name, mode, double)
+
+
+def on_ranks(body: str, *args) -> dict:
+    """``body`` (``path:function`` returning one rank's errors) on ``WORLD_SIZE`` gloo ranks:
+    the worst rank's errors (:func:`worst_of`), or the error a rank raised."""
     from tpcompile.tools.launch import run_on_ranks
 
     try:
-        per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", WORLD_SIZE, name,
-                                mode, double, timeout=NUMERICS_TIMEOUT_S - 20)
-    except Exception as e:  # noqa: BLE001 - a rank's traceback: keep its exception line
-        raised = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
-        return {"error": raised[-1][:300] if raised else first_line(e)}
+        per_rank = run_on_ranks(body, WORLD_SIZE, *args, timeout=NUMERICS_TIMEOUT_S - 20)
+    except Exception as e:  # noqa: BLE001 - the failure is the row's numerics cell
+        return {"error": rank_error(e)}
+    return worst_of(per_rank)
+
+
+def rank_error(e: BaseException) -> str:
+    """A failed launch's message: the last exception line of a rank's traceback."""
+    raised = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    return raised[-1][:300] if raised else first_line(e)
+
+
+def worst_of(per_rank: list[dict]) -> dict:
+    """The first rank's error, else the largest output error, the worst gradient rank's
+    measurements (``max_grad_err``, ``worst_grad``, ...) and whether both are within
+    ``TOLERANCE``."""
     failed = [r for r in per_rank if "error" in r]
     if failed:
         return failed[0]
     out = max(r["output_err"] for r in per_rank)
     worst = max(per_rank, key=lambda r: r["max_grad_err"])
-    return {"output_err": out, "max_grad_err": worst["max_grad_err"],
-            "worst_grad": worst["worst_grad"],
-            "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
+    return {**worst, "output_err": out, "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}

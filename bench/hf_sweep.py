@@ -119,11 +119,13 @@ def _measure(name: str, numerics: bool, mode: str) -> dict:
 
 
 
-def run_one_subprocess(name: str, numerics: bool) -> dict:
+def run_one_subprocess(name: str, numerics: bool, module: str = "bench.hf_sweep") -> dict:
+    """``python -m module --one name``'s row, in a process of its own with a timeout (a
+    hang or a crash is the row's status); the diffusers sweep runs its classes through it."""
     timeout = TIMEOUT_S + (NUMERICS_TIMEOUT_S if numerics else 0)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", "bench.hf_sweep", "--one", name, "--out", str(out)]
+        cmd = [sys.executable, "-m", module, "--one", name, "--out", str(out)]
         if numerics:
             cmd.append("--numerics")
         start = time.perf_counter()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 import traceback
 import warnings
@@ -34,13 +33,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench.hf_configs import first_line
+from bench.hf_numerics import TOLERANCE, rank_error, worst_of
 from bench.hf_report import numerics_cell
 from bench.hf_verdict import plan_row
 from bench.upstream_models import CASES, build
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD_SIZES = (2, 4)
-TOLERANCE = 1e-5
 COMMAND = "nice -n 19 python -m bench.upstream --numerics"
 
 
@@ -79,20 +78,8 @@ def run_numerics(names: list[str], world_size: int) -> dict[str, dict]:
         per_rank = run_on_ranks(f"{Path(__file__).resolve()}:_numerics_rank", world_size, names,
                                 timeout=300 * len(names))
     except Exception as e:  # noqa: BLE001 - a rank's traceback: keep its exception line
-        raised = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
-        return {name: {"error": raised[-1][:300] if raised else first_line(e)} for name in names}
-    return {name: _worst([r[name] for r in per_rank]) for name in names}
-
-
-def _worst(per_rank: list[dict]) -> dict:
-    failed = [r for r in per_rank if "error" in r]
-    if failed:
-        return failed[0]
-    worst = max(per_rank, key=lambda r: r["max_grad_err"])
-    out = max(r["output_err"] for r in per_rank)
-    return {"output_err": out, "max_grad_err": worst["max_grad_err"],
-            "worst_grad": worst["worst_grad"], "grads": worst["grads"],
-            "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
+        return {name: {"error": rank_error(e)} for name in names}
+    return {name: worst_of([r[name] for r in per_rank]) for name in names}
 
 
 def plan_at(name: str, world_size: int, built: tuple | None = None) -> dict:
