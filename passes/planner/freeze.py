@@ -21,7 +21,8 @@ from tpcompile.passes.planner.dims import shape, sub_layout, val
 from tpcompile.passes.planner.experts.placement import expert_placements
 from tpcompile.passes.planner.grad_syncs import grad_syncs, partial_grads, whole_roots
 from tpcompile.passes.planner.propagate import (
-    Constraints, Propagation, same_placement, carrier_chain, view_chain, weight_chain,
+    Constraints, Propagation, same_placement, carrier_chain, value_readers, view_chain,
+    weight_chain,
 )
 from tpcompile.passes.planner.rules.quantized import dequantized_readers, undequantized_reason
 from tpcompile.passes.planner.absorb_dequantized import absorb_dequantized
@@ -68,7 +69,7 @@ def _forked_chains(node: fx.Node) -> list[list[fx.Node]]:
     """``node``'s carrier chain, or, when it forks into several users that each carry its shard,
     one chain per user (each starting at ``node``)."""
     chain = carrier_chain(node)
-    readers = [u for u in node.users if val(u) is not None]
+    readers = value_readers(node)
     if len(chain) > 1 or len(readers) < 2:
         return [chain]
     if not all(shard_map(u) is not None and u.args[0] is node for u in readers):
@@ -84,7 +85,7 @@ def _pulled_chain(state: Propagation, chain: list[fx.Node]):
                len(chain) - 1)
     chain = chain[:cut + 1]
     end = chain[-1]
-    wanted = [state.conversions.get((end, u)) for u in end.users if val(u) is not None]
+    wanted = [state.conversions.get((end, u)) for u in value_readers(end)]
     first = wanted[0] if wanted else None  # none: only export's metadata checks read it
     if not (isinstance(first, Shard) and all(
             isinstance(w, Shard) and same_placement(state.specs, first, w) for w in wanted)):
@@ -106,7 +107,7 @@ def _absorb_pieces(param: fx.Node, state: Propagation) -> bool:
     wanted = {}
     for piece in split.users:
         where = piece_of(piece)
-        want = [state.conversions.get((piece, u)) for u in piece.users if val(u) is not None]
+        want = [state.conversions.get((piece, u)) for u in value_readers(piece)]
         if where is None or where[0] is not param or not want or not all(
                 isinstance(w, Shard) and same_placement(specs, want[0], w) for w in want):
             return False
@@ -181,7 +182,7 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     end = weight_chain(node)[-1]
     if end is node and len(node.users) > 1 and all(is_view(u) for u in node.users):
         return [r for u in node.users for r in view_chain(u)[-1].users]
-    return [u for u in end.users if val(u) is not None]
+    return value_readers(end)
 
 
 def _local_shape(global_shape, placement, specs: Specs, rank: int):
@@ -193,7 +194,7 @@ def _local_shape(global_shape, placement, specs: Specs, rank: int):
 
 def _replicated_reason(node: fx.Node, state: Propagation, killed: dict[str, str], cap: Capture,
                        ws: int) -> str:
-    users = [u for u in node.users if val(u) is not None]  # not export's metadata checks
+    users = value_readers(node)
     if node.target in cap.subclass_parts and node.target not in cap.params:
         return killed.get(node.target) or _scales_a_sum(node, state) or undequantized_reason(node)
     if node.target not in cap.params:

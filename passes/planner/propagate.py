@@ -32,7 +32,7 @@ from tpcompile.passes.planner.rules import is_lookup, is_view, piece_of, rule_fo
 log = logging.getLogger(__name__)
 
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
-           "weight_chain", "passes_cut", "local_slice", "same_placement", "visit"]
+           "weight_chain", "passes_cut", "value_readers", "local_slice", "same_placement", "visit"]
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -256,7 +256,7 @@ class OpView:
         piece = piece_of(arg) if isinstance(arg, fx.Node) else None
         node = piece[0] if piece is not None and len(arg.users) == 1 else arg
         while isinstance(node, fx.Node) and not self.is_param(node):
-            if not passes_cut(node) or len(_readers(node)) != 1:
+            if not passes_cut(node) or len(value_readers(node)) != 1:
                 return dequantized_weight(arg) if isinstance(arg, fx.Node) else None
             node = node.args[0]
         return node if isinstance(node, fx.Node) and len(node.users) >= 1 else None
@@ -332,7 +332,7 @@ def carrier_chain(node: fx.Node) -> list[fx.Node]:
     shard carried down, instead of each rank slicing the chain's end. Export's metadata checks
     (no value) are not counted as users."""
     return _chain(node, lambda u: shard_map(u) is not None,
-                  _readers)
+                  value_readers)
 
 
 def passes_cut(node: fx.Node) -> bool:
@@ -345,10 +345,10 @@ def passes_cut(node: fx.Node) -> bool:
 def weight_chain(node: fx.Node) -> list[fx.Node]:
     """``node`` and the ops its cut passes through (:func:`passes_cut`), one value reader each:
     a weight and its views and casts up to the op that reads it."""
-    return _chain(node, passes_cut, _readers)
+    return _chain(node, passes_cut, value_readers)
 
 
-def _readers(node: fx.Node) -> list[fx.Node]:
+def value_readers(node: fx.Node) -> list[fx.Node]:
     """``node``'s users that read its values: export's metadata checks (no value) do not."""
     return [u for u in node.users if val(u) is not None]
 
