@@ -246,9 +246,10 @@ class OpView:
         return arg is not weight and self.is_param(arg) and len(shape(arg)) == 1
 
     def projected(self, arg: fx.Node, layout: Layout) -> bool:
-        """``arg`` is, through views and casts, the output of the matmul that starts
-        ``layout``'s root: a column-parallel projection read as it is, not a sum it joined."""
-        while arg.op == "call_function" and passes_cut(arg):
+        """``arg`` is, through views, casts and its bias (split off: ``split_bias``), the output
+        of the matmul that starts ``layout``'s root: a column-parallel projection read as it
+        is, not a sum it joined."""
+        while arg.op == "call_function" and (passes_cut(arg) or _bias_added(arg)):
             arg = arg.args[0]
         return any(self._state.roots.get(b) is arg for b in self.specs.bases(layout.root))
 
@@ -340,6 +341,12 @@ def carrier_chain(node: fx.Node) -> list[fx.Node]:
     (no value) are not counted as users."""
     return _chain(node, lambda u: shard_map(u) is not None,
                   value_readers)
+
+
+def _bias_added(node: fx.Node) -> bool:
+    """``y + b`` with ``b`` a stored tensor: a bias ``split_bias`` split off its matmul."""
+    return (node.target is torch.ops.aten.add.Tensor and len(node.args) == 2
+            and isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr")
 
 
 def passes_cut(node: fx.Node) -> bool:

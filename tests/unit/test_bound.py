@@ -11,6 +11,7 @@ from dataclasses import replace
 from fnmatch import fnmatch
 
 import pytest
+import torch
 
 from tpcompile.core.capture import capture
 from tpcompile.inspect.bound.bound import megatron_bound
@@ -64,9 +65,38 @@ def test_builtin_bound(name, ws, whole):
     first = min(bound.blocks) + "."
     assert {w.removeprefix(first).removesuffix(".weight") for w, s in bound.styles.items()
             if w.startswith(first) and s == "whole"} == whole
-    for w, why in bound.reasons.items():
-        assert "fewer than the 4 ranks" in why or "outside the repeated blocks" in why, (w, why)
+    for w, why in bound.reasons.items():  # around the blocks: the LM head
+        outside = not any(w.startswith(b + ".") for b in bound.blocks)
+        assert why == ("its output reaches no row-parallel matmul" if outside
+                       else f"2 head(s), fewer than the {ws} ranks"), (w, why)
+    assert bound.outside is None or (bound.outside.forward, bound.outside.backward) == (0, 0)
     assert bound.ideal_bytes < sum(p.numel() * 4 for p in model.parameters())
+
+
+class _Projected(torch.nn.Module):
+    """LLaVA's multimodal projector / Wan's text embedder: an MLP before the blocks."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.proj_in, self.proj_out = torch.nn.Linear(16, dim), torch.nn.Linear(dim, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+            for _ in range(2))
+
+    def forward(self, x):
+        h = self.proj_out(torch.nn.functional.gelu(self.proj_in(x)))
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def test_a_chain_around_the_blocks_is_judged_like_one_inside():
+    """The projector is a column -> row chain (Megatron-LM's ``MultimodalProjector``): one
+    forward all-reduce; backward none (its input is the caller's data)."""
+    bound = megatron_bound(captured(_Projected(), (torch.randn(2, 5, 16),)), 2)
+    assert bound.styles["proj_in.weight"] == "colwise" and bound.styles["proj_out.weight"] == "rowwise"
+    assert (bound.outside.forward, bound.outside.backward) == (1, 0)
+    assert _counts(bound) == {(1, 1)}
 
 
 def test_lora_bound_is_the_base_models():
@@ -131,8 +161,8 @@ def test_bound_agrees_with_transformers_tp_plan(family):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_explain_reports_the_derived_bound(name):
-    """``explain``'s bound columns are :func:`megatron_bound`'s, block by block, and outside
-    the blocks it pays nothing (not the plan's own counts there)."""
+    """``explain``'s bound columns are :func:`megatron_bound`'s, block by block; around the
+    blocks it is derived too, and an LM pays nothing there."""
     import tpcompile
 
     model = models.build(name)
@@ -141,7 +171,7 @@ def test_explain_reports_the_derived_bound(name):
     report = tpcompile.explain(model, inputs, 2)
     rows = {m.layer: (m.bound_forward, m.bound_backward, m.bound_bytes) for m in report.megatron}
     assert rows == {layer: (b.forward, b.backward, b.bytes) for layer, b in bound.blocks.items()}
-    assert bound.outside is None
+    assert (bound.outside.forward, bound.outside.backward) == (0, 0)  # the LM head whole
 
 
 

@@ -10,8 +10,9 @@ calls the message size); a ring all-reduce moves about 2(N-1)/N of it per rank.
 
 Megatron's minimum per repeated block is :mod:`tpcompile.inspect.bound.bound`'s, derived from the
 model and not from the plan; a weight it splits that the plan keeps whole is named in the
-block's row (``whole``). Collectives outside the blocks have no bound: their row's bound is
-what they cost.
+block's row (``whole``). The code around the blocks is judged as one more block; the
+collectives of the options that change it (vocabulary-parallel lookups and losses, sequence
+parallelism) are not derived: their row's bound is what they cost.
 """
 
 from __future__ import annotations

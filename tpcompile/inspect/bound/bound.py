@@ -19,15 +19,17 @@ module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths
   ``x_proj -> dt_proj``). Kept *whole*, each with its reason: a matmul whose output reaches
   ``topk`` (a router gate); a colwise matmul whose output reaches no rowwise one (its cut would
   have to be gathered); a colwise matmul whose output is viewed as fewer heads than ranks (KV
-  heads) or whose output features do not divide; every weight outside the repeated blocks
-  (embeddings, heads: Megatron's default layout), where the bound pays nothing (``outside``);
-  a matmul on one row per sample (a timestep embedder, an adaLN modulation on ``(batch, dim)``
+  heads) or whose output features do not divide; a matmul on one row per sample (a timestep embedder, an adaLN modulation on ``(batch, dim)``
   in a model with token rows) whose chain (it, the matmuls it feeds, their weights, their
   outputs' all-reduces and its input's gradient sync) does not pay under the planner's cost
   rule (:func:`~tpcompile.passes.planner.chain_cost.per_sample_chain` and
   :func:`~tpcompile.passes.planner.chain_cost.chain_cost`, what the planner asks), judged in
   graph order before the styles, so that it starts no chain.
-  A model with no repeated blocks is judged as one block. A bias follows a colwise weight and
+  The code around the repeated blocks is judged as one more block (``outside``; a model
+  with no repeated blocks is all of it): an LM head's output reaches no row-parallel matmul
+  (whole), embeddings are lookups, not matmuls (whole), and a projector MLP there (a text
+  embedder, LLaVA's multimodal projector: Megatron-LM's ``MultimodalProjector``) is a chain,
+  but not one through a norm over the cut features (BERT's and Electra's LM head transform). A bias follows a colwise weight and
   stays whole with a rowwise one.
 * Forward: one all-reduce per group of rowwise matmuls whose partial sums meet through linear
   ops (sums, scalings, a ``cat`` of them) before any other use (a MoE block's routed and
@@ -48,7 +50,7 @@ module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths
   one input: one. This is below Megatron-LM's count (one per column-parallel input) where
   paths meet through whole weights, whose gradients then ride in the same all-reduce. Of the
   bytes of the value they meet at; one more for the gradients of the statistics that follow
-  such a group's inputs. Groups whose values are not computed from each other's colwise
+  such a group's inputs (groups ready together, below, share it too). Groups whose values are not computed from each other's colwise
   matmuls are ready together and share one all-reduce of several tensors (joint attention's
   image and context streams; a decoder's self-attention input and the encoder memory its
   cross-attention reads): the count is the longest chain of groups that wait on one another. Whole non-matmul weights read where features are cut (a per-head
@@ -130,7 +132,7 @@ class Bound:
     # colwise weights with a part Megatron keeps whole (a fused qkv's kv rows under MQA):
     # weight -> the fraction of its rows kept whole
     whole_rows: dict = field(default_factory=dict)
-    outside: BlockBound | None = None  # a model without repeated blocks, judged as one
+    outside: BlockBound | None = None  # the code around the repeated blocks, judged as one
 
     def split(self) -> list[str]:
         return sorted(w for w, s in self.styles.items() if s != "whole")
@@ -157,6 +159,11 @@ def _roles(mms: list[Matmul], world_size: int, layer: str,
             role[m.up] = "colwise" if style == "colwise" else "whole"
             why[m.up if style == "rowwise" else m.node] = (
                 "the narrow side of a low-rank pair (Megatron splits the wide factor)")
+            continue
+        if not layer and style == "colwise" and m.statistics:
+            role[m.node], why[m.node] = "whole", (
+                "around the blocks, a norm over its output features reads them whole (an LM "
+                "head's transform: Megatron-LM keeps its dense and LayerNorm whole)")
             continue
         role[m.node] = style
         if m.up is not None:  # reduced before its up factor, which starts a chain (Mamba's
@@ -269,16 +276,18 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     stats = {s for m in cols for s in m.statistics}
     # statistics' gradients (of the matmuls backward reaches): one all-reduce per colwise
     # input they follow (OLMo 2's q and k norms together; BitNet's norms after attention and
-    # in the MLP one each); an inference-only block's statistics are summed forward only
+    # in the MLP one each), inputs ready together sharing one; an inference-only block's
+    # statistics are summed forward only
     grad_stats = {s for group in syncs.values() for m in group for s in m.statistics}
-    stat_syncs = {r for r, group in syncs.items() if any(m.statistics for m in group)}
+    # ready together as their input syncs are (a cross-attention's q and k norms): one round
+    stat_syncs = {r: group for r, group in syncs.items() if any(m.statistics for m in group)}
     whole = whole_read(layer, cols, mms, trainable)
     fused = [(m, whole_rows(m, world_size)) for m in cols]
     fused = [_weight_bytes(m) * rows // m.out_features for m, rows in fused if rows]
     kv = [min(value_bytes(m.node), _weight_bytes(m)) for m in mms if role.get(m.node) == "whole"
           and m.heads is not None and m.heads < world_size and set(m.weights) & trainable]
     return BlockBound(layer, forward + len(stats),
-                      _sync_rounds(syncs) + len(stat_syncs)
+                      _sync_rounds(syncs) + _sync_rounds(stat_syncs)
                       + bool((whole or kv) and not roots) + len(fused),
                       forward_bytes + sum(value_bytes(n) for n in stats)
                       + sum(value_bytes(n) for n in roots | grad_stats)
@@ -356,12 +365,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
     # an inference-only capture (custom autograd Functions under no_grad) runs no backward
     trainable = frozenset() if cap.inference_only else cap.trainable
     carriers = grad_carriers(cap.gm, trainable)  # inputs whose gradient anything asks
-    for layer, group in by_layer.items():
-        if not layer and len(by_layer) > 1:  # around the blocks: embeddings, heads
-            for m in group:
-                for w in m.weights + m.biases:
-                    styles[w], reasons[w] = "whole", "outside the repeated blocks"
-            continue
+    for layer, group in by_layer.items():  # "": the code around the blocks, judged as one
         unpaid = _unpaid(cap, group, world_size, chain_cost, carriers)
         role, why = _roles(group, world_size, layer, unpaid)  # a model without blocks: one block
         for m in group:

@@ -56,6 +56,8 @@ _EXTREMA = {aten.amax.default, aten.amin.default}
 _KEEP_EXTREMA = {aten.maximum.default, aten.minimum.default, aten.neg.default}
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction,
                aten.linalg_vector_norm.default, aten.amax.default, aten.amin.default}
+# ATen's fused norms: their statistics inside, over the features they keep
+_NORMS = {aten.rms_norm.default, aten.layer_norm.default}
 
 
 @dataclass
@@ -237,7 +239,7 @@ def _statistic(n: fx.Node) -> bool:
 
 def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
     """Reductions over every output feature of ``m`` or of one of its pieces (a norm over the
-    whole projection, not per head; Mamba-2's gated norm over its z piece), reached through
+    whole projection, not per head, ATen's fused ``rms_norm`` / ``layer_norm`` included; Mamba-2's gated norm over its z piece), reached through
     views, pieces and elementwise ops, and from a value through attention to a norm over all
     its heads' outputs (BitNet's ``attn_sub_norm`` before ``o_proj``)."""
     widths = {m.out_features} | {f for f, _ in m.parts}
@@ -247,8 +249,8 @@ def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if (n.target in _STATISTICS and _last(n.args[0]) in widths
-                and _last(n) != _last(n.args[0])):
+        if ((n.target in _STATISTICS and _last(n) != _last(n.args[0]))
+                or n.target in _NORMS) and _last(n.args[0]) in widths:
             out.append(n)
         elif is_view(n) or n.target in _SUMS | _SPLITS | _UNARY or _is_piece(n) \
                 or n.target is aten.pow.Tensor_Scalar or _value_operand(n) is not None:
