@@ -6,8 +6,9 @@ the all-reduces Megatron pays forward and backward, the weights it splits (``who
 plan keeps whole), the weights it could not judge (``undecided``) and the parameter bytes per
 rank of its plan (``param_bytes_ideal``). Nothing here counts collectives of its own.
 
-*status*: ``at bound`` (per layer no more all-reduces than the bound and over the model
-exactly as many, every layer paying at least one forward, nothing gathered, no fallback, no
+*status*: ``at bound`` (per layer no more all-reduces than the bound and over the model, the
+code around the layers included, exactly as many, every layer the bound charges paying at
+least one forward, nothing gathered, no fallback, no
 weight the bound splits kept whole, the largest rank within 1% of the ideal bytes), ``below
 bound`` (all of that but fewer all-reduces than the bound: the bound misjudged the model, a
 row to fix in :mod:`tpcompile.inspect.bound.bound`), ``above bound`` (more all-reduces than the
@@ -92,8 +93,9 @@ def plan_row(row: dict, model, inputs: tuple, cfg, world_size: int,
                      for m in layers]
     row["per_layer"] = _per_layer(row["layers"], ("forward", "backward"))
     row["megatron_bound"] = _per_layer(row["layers"], ("bound_forward", "bound_backward"))
-    row["outside_layers"] = _per_layer([vars(m) for m in outside], ("forward", "backward")) \
-        if outside else "-"
+    row["outside"] = [{k: getattr(m, k) for k in ("forward", "backward", "bound_forward",
+                                                  "bound_backward")} for m in outside]
+    row["outside_layers"] = _per_layer(row["outside"], ("forward", "backward")) if outside else "-"
     row["not_sharded"] = {f"{fold(w)}: kept whole (Megatron splits it)": report.params[w].reason
                           for m in layers for w in m.whole if w in report.params}
     row["undecided"] = sorted({fold(u) for m in report.megatron for u in m.undecided})
@@ -117,7 +119,8 @@ def classify(row) -> str:
     """A planned family's status from its measured fields (see the module docstring)."""
     layers = row["layers"]
     within = (bool(layers) and _outside_layers_within_bound(row) and not row["gathers"]
-              and all(0 < r["forward"] <= r["bound_forward"] for r in layers)
+              and all(r["forward"] <= r["bound_forward"] and (r["forward"] or not r["bound_forward"])
+                      for r in layers)
               and _backward_within_bound(layers)
               and len(layers) >= min(row.get("n_layers", LAYERS), LAYERS))
     if within and not row["fallbacks"] and not row["not_sharded"] \
@@ -146,13 +149,8 @@ def _backward_within_bound(layers) -> bool:
 
 
 def _totals(row, key: str) -> int:
-    """All-reduces over the layers and outside them (``key`` a plan count or a bound's: the
-    bound counts none outside the layers)."""
-    total = sum(r[key] for r in row["layers"])
-    if row["outside_layers"] != "-" and not key.startswith("bound"):
-        at = 0 if key == "forward" else 1
-        total += sum(int(part.split("/")[at]) for part in row["outside_layers"].split(", "))
-    return total
+    """All-reduces over the layers and around them (``key`` a plan count or a bound's)."""
+    return sum(r[key] for r in row["layers"] + row.get("outside", []))
 
 
 def _outside_layers_within_bound(row) -> bool:

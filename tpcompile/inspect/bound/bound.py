@@ -187,10 +187,12 @@ def _roles(mms: list[Matmul], world_size: int, layer: str,
 
 
 def _unpaid(cap: Capture, mms: list[Matmul], world_size: int, device_name: str,
-            carriers: set) -> dict:
+            carriers: set, activations: list) -> dict:
     """Per-sample matmuls whose chain does not pay (module docstring), in graph order: one kept
-    whole starts no chain, so the next matmul reading it is judged as a chain's start."""
-    priced = pricing(device_name, world_size, cap.gm, [m.activation for m in mms])
+    whole starts no chain, so the next matmul reading it is judged as a chain's start. Priced
+    where the model's matmuls (``activations``: all of them, as the planner prices) read token
+    rows: a UNet's time embedding around blocks of image rows too."""
+    priced = pricing(device_name, world_size, cap.gm, activations)
     if priced is None:
         return {}
     device, batch = priced
@@ -285,7 +287,8 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     fused = [(m, whole_rows(m, world_size)) for m in cols]
     fused = [_weight_bytes(m) * rows // m.out_features for m, rows in fused if rows]
     kv = [min(value_bytes(m.node), _weight_bytes(m)) for m in mms if role.get(m.node) == "whole"
-          and m.heads is not None and m.heads < world_size and set(m.weights) & trainable]
+          and m.heads is not None and m.heads < world_size and set(m.weights) & trainable
+          and any(role.get(d) == "rowwise" for d in m.downstream)]  # read by the cut heads
     return BlockBound(layer, forward + len(stats),
                       _sync_rounds(syncs) + _sync_rounds(stat_syncs)
                       + bool((whole or kv) and not roots) + len(fused),
@@ -366,7 +369,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
     trainable = frozenset() if cap.inference_only else cap.trainable
     carriers = grad_carriers(cap.gm, trainable)  # inputs whose gradient anything asks
     for layer, group in by_layer.items():  # "": the code around the blocks, judged as one
-        unpaid = _unpaid(cap, group, world_size, chain_cost, carriers)
+        unpaid = _unpaid(cap, group, world_size, chain_cost, carriers, [m.activation for m in mms])
         role, why = _roles(group, world_size, layer, unpaid)  # a model without blocks: one block
         for m in group:
             style = role[m.node]
