@@ -127,6 +127,30 @@ class LazyTable(MLP):
         return self.fc2(F.gelu(self.fc1(x)) * self.table)
 
 
+class _Table:
+    """A plain object (no nn.Module) that builds its table on the first call, as Z-Image's
+    ``RopeEmbedder`` does its frequencies."""
+
+    def __init__(self):
+        self.table = None
+
+    def __call__(self):
+        if self.table is None:
+            self.table = torch.linspace(0.5, 1.5, H)
+        return self.table
+
+
+class LazyHelperTable(MLP):
+    """A module holding such a helper: the cache is built on the helper, not the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = _Table()
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)) * self.tables())
+
+
 class RebindsItself(MLP):
     """A plain tensor attribute rebound to a view of itself on every call: no state."""
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import operator
+
 import pytest
 import torch
 
@@ -54,14 +56,17 @@ def test_python_state_assigned_in_forward_is_refused_and_restored(cls, attrs):
     assert all(model.__dict__[k] is v for k, v in before.items())
 
 
-def test_a_cache_built_on_the_first_call_is_refused_with_its_fix():
-    model = cm.LazyTable()
+@pytest.mark.parametrize("cls, attr", [(cm.LazyTable, "table"), (cm.LazyHelperTable, "tables.table")])
+def test_a_cache_built_on_the_first_call_is_refused_with_its_fix(cls, attr):
+    """On the module or on a plain helper object it holds (Z-Image's RopeEmbedder): refused,
+    and no fake tensor left behind on the user's model."""
+    model = cls()
     with pytest.raises(CaptureError) as e:
         plan_model(model, _x(), 2)
-    assert str(e.value).startswith("forward sets self.table, None before the call (a cache "
+    assert str(e.value).startswith(f"forward sets self.{attr}, None before the call (a cache "
                                    "built on the first call, ")
     assert "hint: build it before parallelize" in str(e.value)
-    assert model.table is None  # restored
+    assert operator.attrgetter(attr)(model) is None  # restored
     x = _x()
     want = model(*x)  # the fix: one call builds the table
     cap, _ = plan_model(model, x, 2)

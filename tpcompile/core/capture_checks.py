@@ -8,8 +8,9 @@
 - *Python state assigned in forward* (``self.step += 1``, ``self.cache = h``): the graph is
   traced once, so the parallelized model would run forever with the values of the capture call
   (export restores ints and warns about tensors, but keeps new attributes on the model).
-  Detected with a forward hook that compares each module's attributes before and after the
-  traced call; the model's attributes are then restored exactly, new ones deleted. Two kinds
+  Detected with a forward hook that compares each module's attributes (and those of the plain
+  helper objects a module holds) before and after the traced call; they are then restored
+  exactly, new ones deleted, so no fake tensor stays behind on the user's model. Two kinds
   are told apart: a tensor rebound to itself seen again (``self.k = self.k[:]``, a view with
   the same shape, strides and offset; a ``.to()`` that changes nothing returns the tensor
   itself) is no state and is allowed; an attribute that was None before the call (a lazily
@@ -23,9 +24,11 @@ the graph and are not affected: the parallelized module updates its own copies.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
+import types
 
 import torch
 import torch._dynamo._trace_wrapped_higher_order_op  # ModIndex (see _HIGHER_ORDER_OPS)
@@ -60,8 +63,38 @@ def _same_tensor(old, new) -> bool:
 
 
 def _attributes(model: nn.Module) -> dict[str, dict[str, object]]:
-    return {name: {k: v for k, v in m.__dict__.items() if k not in _STANDARD}
-            for name, m in model.named_modules(remove_duplicate=False)}
+    """Each module's own attributes by module name, and each plain helper object a module
+    holds (Z-Image's ``RopeEmbedder``, which caches its frequencies on itself) by
+    ``module.attribute`` name: forward can assign state on those too."""
+    out = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        out[name] = {k: v for k, v in m.__dict__.items() if k not in _STANDARD}
+        for k, v in out[name].items():
+            if _helper(v):
+                out[f"{name}.{k}" if name else k] = dict(vars(v))
+    return out
+
+
+def _helper(value) -> bool:
+    """A plain Python object with attributes of its own: not a module, tensor, class,
+    function or config (a config's fields are the model's switches, not forward state)."""
+    return (hasattr(value, "__dict__") and not isinstance(
+        value, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType,
+                types.ModuleType, functools.partial))
+            and not type(value).__name__.endswith("Config"))
+
+
+def _holders(model: nn.Module, names) -> dict[str, dict]:
+    """The ``__dict__`` each of ``_attributes``' names is read from."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out = {}
+    for name in names:
+        if name in modules:
+            out[name] = modules[name].__dict__
+        else:
+            owner, _, attr = name.rpartition(".")
+            out[name] = vars(getattr(modules[owner], attr))
+    return out
 
 
 @contextlib.contextmanager
@@ -86,9 +119,8 @@ def forward_state_guard(model: nn.Module):
         yield
     finally:
         handle.remove()
-        modules = dict(model.named_modules(remove_duplicate=False))
-        for name, attrs in before.items():
-            state = modules[name].__dict__
+        for name, state in _holders(model, before).items():
+            attrs = before[name]
             for k in [k for k in state if k not in _STANDARD and k not in attrs]:
                 del state[k]
             state.update(attrs)
