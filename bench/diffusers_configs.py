@@ -39,21 +39,56 @@ OVERRIDES: dict[str, dict] = {
     "UNet3DConditionModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
                              "down_block_types": ("CrossAttnDownBlock3D", "DownBlock3D"),
                              "up_block_types": ("UpBlock3D", "CrossAttnUpBlock3D")},
+    "WanVACETransformer3DModel": {"vace_layers": [0], "vace_in_channels": 4},
+    "LatteTransformer3DModel": {"patch_size": 2, "in_channels": 4},
+    "EasyAnimateTransformer3DModel": {"patch_size": 2, "in_channels": 4},
+    "HiDreamImageTransformer2DModel": {"patch_size": 2},
+    "DreamLiteTransformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
+    "AceStepTransformer1DModel": {"in_channels": 24, "audio_acoustic_hidden_dim": 8},
     "Transformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
     "DualTransformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
     "TransformerTemporalModel": {"in_channels": 32, "norm_num_groups": 32},
 }
 
+_PER_FRAME_T = {p: lambda: torch.tensor([[0.3, 0.4], [0.6, 0.7]]) for p in ("timestep", "r_timestep")}
+# per-class forward arguments the name rules cannot make (non-tensors are fixed, not inputs)
+INPUTS: dict[str, dict] = {
+    "AceStepTransformer1DModel": {  # channels last; context and latents concatenate to in_channels
+        "hidden_states": lambda: torch.randn(BATCH, 16, 8),
+        "context_latents": lambda: torch.randn(BATCH, 16, 16)},
+    "AnyFlowFARTransformer3DModel": {"chunk_partition": lambda: [1, 1], **_PER_FRAME_T},
+    "AnyFlowTransformer3DModel": _PER_FRAME_T,
+    "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
+        "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
+        >= TEXT_TOKENS},
+}
+
 # video models whose latents are (batch, frames, channels, height, width)
-FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")
+FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel",
+                "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel")
 
 _LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
                      r"^num_\w*(layers|blocks)$")
-_HEADS = re.compile(r"^(num_attention_heads|num_heads|attention_heads|heads|n_heads)$")
+_HEADS = re.compile(r"^(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
+                    r"num_key_value_heads|n_kv_heads|num_kv_heads)$")
 _HEAD_DIM = re.compile(r"^(attention_head_dim|head_dim)$")
 _TEXT = re.compile(r"(joint_attention_dim|cross_attention_dim|caption_channels|text_dim|"
-                   r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim)$")
+                   r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim|"
+                   r"text_in_dim|cap_feat_dim|context_in_dim|text_emb_dim|text_embed_2_dim|"
+                   r"encoder_hidden_size|condition_dim|in_text_dim2?)$")
+_WIDTH = re.compile(r"^(hidden_size|dim|inner_dim|model_dim)$")
+_FFN = re.compile(r"^(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
+                  r"moe_intermediate_dim)$")
 _SIZE = re.compile(r"^(sample_size|sample_height|sample_width)$")
+_ROPE = re.compile(r"^(axes_dims?_rope|rope_axes_dim|rope_dim|axes_dims|rope_dim_list|axes_dim)$")
+# video lengths in frames: 2 latent frames (CogVideoX compresses 4 frames after the first into one)
+_FRAMES = re.compile(r"^(sample_frames|video_length)$")
+_TEXT_LEN = re.compile(r"^(max_text_seq_length|text_len)$")
+HEADS, HEAD_DIM = 2, 16
+# name rule -> tiny value, first match wins
+_RULES = ((_LAYERS, 1), (_HEADS, HEADS), (_HEAD_DIM, HEAD_DIM), (_TEXT, TEXT_DIM),
+          (_WIDTH, HEADS * HEAD_DIM), (_FFN, 2 * HEADS * HEAD_DIM), (_SIZE, SIDE),
+          (_FRAMES, 5), (_TEXT_LEN, TEXT_TOKENS))
 
 
 def classes() -> dict[str, type]:
@@ -64,22 +99,25 @@ def classes() -> dict[str, type]:
             if n.endswith("Model") and ("Transformer" in n or n.startswith("UNet"))}
 
 
+def _rope_axes(axes, total: int = HEAD_DIM) -> tuple:
+    """RoPE axes that sum to the tiny head width, each even (the rotation pairs channels)."""
+    n = len(axes)
+    each = 2 * ((total // 2) // n)
+    extra = (total - each * n) // 2
+    return tuple(each + (2 if i >= n - extra else 0) for i in range(n))
+
+
 def _shrink(name: str, cls: type) -> dict:
     kwargs = {}
     for p, param in inspect.signature(cls.__init__).parameters.items():
         value = param.default
         if isinstance(value, bool) or not isinstance(value, (int, tuple, list)):
             continue
-        if _LAYERS.search(p) and isinstance(value, int):
-            kwargs[p] = 1
-        elif _HEADS.match(p) and isinstance(value, int):
-            kwargs[p] = 2
-        elif _HEAD_DIM.match(p) and isinstance(value, int):
-            kwargs[p] = 16
-        elif _TEXT.search(p) and isinstance(value, int):
-            kwargs[p] = TEXT_DIM
-        elif _SIZE.match(p) and isinstance(value, int):
-            kwargs[p] = SIDE
+        tiny = next((v for rule, v in _RULES if rule.search(p)), None)
+        if isinstance(value, int) and tiny is not None:
+            kwargs[p] = tiny
+        elif _ROPE.match(p) and all(isinstance(v, int) for v in value):
+            kwargs[p] = _rope_axes(value)
     return {**kwargs, **OVERRIDES.get(name, {})}
 
 
@@ -92,7 +130,10 @@ def build(name: str) -> nn.Module:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    return Wrapped(model, *example_arguments(model))
+    names, values = example_arguments(model)
+    fixed = {n: v for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
+    given = [(n, v) for n, v in zip(names, values) if n not in fixed]
+    return Wrapped(model, [n for n, _ in given], tuple(v for _, v in given), fixed)
 
 
 def n_layers(model: nn.Module) -> int:
@@ -112,7 +153,7 @@ def _latent(name: str, cfg, tokens: bool) -> torch.Tensor:
         return torch.randn(BATCH, SIDE * SIDE // 4, c)
     if name in FRAMES_FIRST:
         return torch.randn(BATCH, 2, c, SIDE, SIDE)
-    if "3D" in name or "Temporal" in name or "Motion" in name or "Spatio" in name:
+    if "3D" in name or "Motion" in name or "Spatio" in name:
         return torch.randn(BATCH, c, 2, SIDE, SIDE)
     if "1D" in name:
         return torch.randn(BATCH, c, 16)
@@ -121,15 +162,22 @@ def _latent(name: str, cfg, tokens: bool) -> torch.Tensor:
 
 def _input(p: str, name: str, cfg, params) -> object:
     """An example value for forward parameter ``p``, or ``inspect.Parameter.empty`` to leave it."""
-    tokens = "img_ids" in params
+    if p in INPUTS.get(name, {}):
+        return INPUTS[name][p]()
+    required = params[p].default is inspect.Parameter.empty
+    tokens = "img_ids" in params or "img_shapes" in params
     if p in ("hidden_states", "sample", "x"):
         return _latent(name, cfg, tokens)
     if p in ("encoder_hidden_states", "cap_feats", "text_bth", "encoder_hidden_states_t5"):
         return torch.randn(BATCH, TEXT_TOKENS, TEXT_DIM)
     if p in ("pooled_projections", "pooled_embeds"):
         return torch.randn(BATCH, TEXT_DIM)
-    if p in ("timestep", "timesteps", "t"):
+    if p in ("timestep", "timesteps", "t") or (required and p in ("timestep_r", "r_timestep")):
         return torch.tensor([0.3, 0.7])
+    if p == "text_lens":
+        return torch.full((BATCH,), TEXT_TOKENS)
+    if p == "img_shapes":  # per sample, per image: (frames, height, width) in latent tokens
+        return [[(1, SIDE // 2, SIDE // 2)]] * BATCH
     if p == "guidance" and cfg.get("guidance_embeds"):
         return torch.tensor([3.5, 3.5])
     if p == "class_labels" and cfg.get("num_class_embeds", 0) is not None:
@@ -147,9 +195,10 @@ def _input(p: str, name: str, cfg, params) -> object:
 def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
     """The forward parameters given and their example tensors."""
     name, params = type(model).__name__, inspect.signature(model.forward).parameters
+    cfg = getattr(model, "config", {})
     names, values = [], []
     for p, param in params.items():
-        value = _input(p, name, model.config, params)
+        value = _input(p, name, cfg, params)
         if value is inspect.Parameter.empty:
             if param.default is inspect.Parameter.empty and param.kind not in (
                     param.VAR_POSITIONAL, param.VAR_KEYWORD):
@@ -161,15 +210,16 @@ def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
 
 
 class Wrapped(nn.Module):
-    """``model(**dict(zip(names, inputs)), return_dict=False)``'s first tensor."""
+    """``model(**dict(zip(names, inputs)), **fixed, return_dict=False)``'s first tensor: the
+    tensors are the inputs, the other arguments (shapes as Python lists) are fixed."""
 
-    def __init__(self, model: nn.Module, names: list[str], inputs: tuple):
+    def __init__(self, model: nn.Module, names: list[str], inputs: tuple, fixed: dict):
         super().__init__()
-        self.model, self.names, self.inputs = model, names, inputs
+        self.model, self.names, self.inputs, self.fixed = model, names, inputs, fixed
         self.return_dict = "return_dict" in inspect.signature(model.forward).parameters
 
     def forward(self, *inputs):
-        kwargs = dict(zip(self.names, inputs))
+        kwargs = {**dict(zip(self.names, inputs)), **self.fixed}
         out = self.model(**kwargs, return_dict=False) if self.return_dict else self.model(**kwargs)
         while not isinstance(out, torch.Tensor):
             out = out[0] if isinstance(out, (tuple, list)) else out.sample
