@@ -40,9 +40,20 @@ OVERRIDES: dict[str, dict] = {
                              "down_block_types": ("CrossAttnDownBlock3D", "DownBlock3D"),
                              "up_block_types": ("UpBlock3D", "CrossAttnUpBlock3D")},
     "WanVACETransformer3DModel": {"vace_layers": [0], "vace_in_channels": 4},
-    "LatteTransformer3DModel": {"patch_size": 2, "in_channels": 4},
-    "EasyAnimateTransformer3DModel": {"patch_size": 2, "in_channels": 4},
+    "LatteTransformer3DModel": {"patch_size": 2, "in_channels": 4, "caption_channels": TEXT_DIM,
+                                "cross_attention_dim": TEXT_DIM, "video_length": 2},
+    "LTXVideoTransformer3DModel": {"in_channels": 8, "out_channels": 8},
+    "UNetSpatioTemporalConditionModel": {
+        "block_out_channels": (32, 64), "num_attention_heads": (2, 2), "in_channels": 4,
+        "down_block_types": ("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        "up_block_types": ("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 24, "num_frames": 2},
     "HiDreamImageTransformer2DModel": {"patch_size": 2},
+    "EasyAnimateTransformer3DModel": {"patch_size": 2, "in_channels": 4, "out_channels": 4,
+                                      "text_embed_dim_t5": TEXT_DIM},
+    "CosmosTransformer3DModel": {"concat_padding_mask": False},  # its resize needs torchvision
+    "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
+    "PRXTransformer2DModel": {"axes_dim": (8, 8)},
     "DreamLiteTransformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
     "AceStepTransformer1DModel": {"in_channels": 24, "audio_acoustic_hidden_dim": 8},
     "Transformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
@@ -58,6 +69,17 @@ INPUTS: dict[str, dict] = {
         "context_latents": lambda: torch.randn(BATCH, 16, 16)},
     "AnyFlowFARTransformer3DModel": {"chunk_partition": lambda: [1, 1], **_PER_FRAME_T},
     "AnyFlowTransformer3DModel": _PER_FRAME_T,
+    "WanVACETransformer3DModel": {"control_hidden_states": lambda: torch.randn(BATCH, 4, 2, SIDE, SIDE)},
+    "UNetSpatioTemporalConditionModel": {"added_time_ids": lambda: torch.randn(BATCH, 3)},
+    "TransformerTemporalModel": {"encoder_hidden_states": lambda: None},  # self-attention only
+    "LatteTransformer3DModel": {"encoder_attention_mask": lambda: None},  # per video, not frame
+    "MiniMaxMusic3Transformer1DModel": {  # the condition is concatenated to the latents' channels
+        "encoder_hidden_states": lambda: torch.randn(BATCH, 32, TEXT_DIM)},
+    "Lumina2Transformer2DModel": {"encoder_attention_mask": lambda: torch.ones(BATCH, TEXT_TOKENS,
+                                                                               dtype=torch.bool)},
+    "LTXVideoTransformer3DModel": {  # latents as (batch, frames * height * width, channels)
+        "hidden_states": lambda: torch.randn(BATCH, 2 * SIDE * SIDE, 8),
+        "num_frames": lambda: 2, "height": lambda: SIDE, "width": lambda: SIDE},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
@@ -65,24 +87,25 @@ INPUTS: dict[str, dict] = {
 
 # video models whose latents are (batch, frames, channels, height, width)
 FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel",
-                "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel")
+                "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
+                "UNetSpatioTemporalConditionModel")
 
 _LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
                      r"^num_\w*(layers|blocks)$")
 _HEADS = re.compile(r"^(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
                     r"num_key_value_heads|n_kv_heads|num_kv_heads)$")
-_HEAD_DIM = re.compile(r"^(attention_head_dim|head_dim)$")
+_HEAD_DIM = re.compile(r"^(attention_head_dim|head_dim|rotary_dim)$")
 _TEXT = re.compile(r"(joint_attention_dim|cross_attention_dim|caption_channels|text_dim|"
                    r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim|"
                    r"text_in_dim|cap_feat_dim|context_in_dim|text_emb_dim|text_embed_2_dim|"
-                   r"encoder_hidden_size|condition_dim|in_text_dim2?)$")
+                   r"encoder_hidden_size|condition_dim|in_text_dim2?|image_embed_dim)$")
 _WIDTH = re.compile(r"^(hidden_size|dim|inner_dim|model_dim)$")
 _FFN = re.compile(r"^(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
                   r"moe_intermediate_dim)$")
 _SIZE = re.compile(r"^(sample_size|sample_height|sample_width)$")
 _ROPE = re.compile(r"^(axes_dims?_rope|rope_axes_dim|rope_dim|axes_dims|rope_dim_list|axes_dim)$")
 # video lengths in frames: 2 latent frames (CogVideoX compresses 4 frames after the first into one)
-_FRAMES = re.compile(r"^(sample_frames|video_length)$")
+_FRAMES = re.compile(r"^sample_frames$")
 _TEXT_LEN = re.compile(r"^(max_text_seq_length|text_len)$")
 HEADS, HEAD_DIM = 2, 16
 # name rule -> tiny value, first match wins
@@ -156,7 +179,7 @@ def _latent(name: str, cfg, tokens: bool) -> torch.Tensor:
     if "3D" in name or "Motion" in name or "Spatio" in name:
         return torch.randn(BATCH, c, 2, SIDE, SIDE)
     if "1D" in name:
-        return torch.randn(BATCH, c, 16)
+        return torch.randn(BATCH, c, 32)  # UNet1D's mid block pads what 3 halvings leave
     return torch.randn(BATCH, c, SIDE, SIDE)
 
 
@@ -170,6 +193,12 @@ def _input(p: str, name: str, cfg, params) -> object:
         return _latent(name, cfg, tokens)
     if p in ("encoder_hidden_states", "cap_feats", "text_bth", "encoder_hidden_states_t5"):
         return torch.randn(BATCH, TEXT_TOKENS, TEXT_DIM)
+    if p == "image_embeds" and (required or cfg.get("image_embed_dim")):
+        return torch.randn(BATCH, TEXT_TOKENS, TEXT_DIM)  # nonzero: HunyuanVideo15 reads 0 as t2v
+    if p == "encoder_hidden_states_2" and cfg.get("text_embed_2_dim"):
+        return torch.randn(BATCH, TEXT_TOKENS, TEXT_DIM)
+    if p == "encoder_attention_mask_2" and cfg.get("text_embed_2_dim"):
+        return torch.ones(BATCH, TEXT_TOKENS)
     if p in ("pooled_projections", "pooled_embeds"):
         return torch.randn(BATCH, TEXT_DIM)
     if p in ("timestep", "timesteps", "t") or (required and p in ("timestep_r", "r_timestep")):
