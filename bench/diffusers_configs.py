@@ -54,6 +54,8 @@ OVERRIDES: dict[str, dict] = {
     "CosmosTransformer3DModel": {"concat_padding_mask": False},  # its resize needs torchvision
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
+    "HunyuanVideoFramepackTransformer3DModel": {  # forward calls both unconditionally
+        "has_clean_x_embedder": True, "has_image_proj": True, "image_proj_dim": TEXT_DIM},
     "DreamLiteTransformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
     "AceStepTransformer1DModel": {"in_channels": 24, "audio_acoustic_hidden_dim": 8},
     "Transformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
@@ -73,6 +75,16 @@ INPUTS: dict[str, dict] = {
     "UNetSpatioTemporalConditionModel": {"added_time_ids": lambda: torch.randn(BATCH, 3)},
     "TransformerTemporalModel": {"encoder_hidden_states": lambda: None},  # self-attention only
     "LatteTransformer3DModel": {"encoder_attention_mask": lambda: None},  # per video, not frame
+    "HunyuanVideoFramepackTransformer3DModel": {  # forward reads all three history latents
+        "indices_latents": lambda: torch.arange(2), "indices_latents_clean": lambda: torch.arange(1),
+        "latents_clean": lambda: torch.randn(BATCH, 16, 1, SIDE, SIDE),
+        "indices_latents_history_2x": lambda: torch.arange(2),
+        "latents_history_2x": lambda: torch.randn(BATCH, 16, 2, SIDE, SIDE),
+        "indices_latents_history_4x": lambda: torch.arange(4),
+        "latents_history_4x": lambda: torch.randn(BATCH, 16, 4, SIDE, SIDE)},
+    "GlmImageTransformer2DModel": {  # one prior (VQ) token per image token, none dropped
+        "prior_token_id": lambda: torch.zeros(BATCH, SIDE * SIDE // 4, dtype=torch.long),
+        "prior_token_drop": lambda: torch.zeros(BATCH, SIDE * SIDE // 4, dtype=torch.bool)},
     "MiniMaxMusic3Transformer1DModel": {  # the condition is concatenated to the latents' channels
         "encoder_hidden_states": lambda: torch.randn(BATCH, 32, TEXT_DIM)},
     "Lumina2Transformer2DModel": {"encoder_attention_mask": lambda: torch.ones(BATCH, TEXT_TOKENS,
