@@ -36,6 +36,14 @@ OVERRIDES: dict[str, dict] = {
     "UNet2DModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
                     "down_block_types": ("DownBlock2D", "AttnDownBlock2D"),
                     "up_block_types": ("AttnUpBlock2D", "UpBlock2D")},
+    "UNetControlNetXSModel": {"block_out_channels": (32, 64), "ctrl_block_out_channels": (4, 8),
+                             "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+                             "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+                             "ctrl_conditioning_embedding_out_channels": (8, 16)},
+    "UNetMotionModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
+                        "down_block_types": ("CrossAttnDownBlockMotion", "DownBlockMotion"),
+                        "up_block_types": ("UpBlockMotion", "CrossAttnUpBlockMotion"),
+                        "motion_num_attention_heads": 2},
     "UNet3DConditionModel": {"block_out_channels": (32, 64), "norm_num_groups": 32,
                              "down_block_types": ("CrossAttnDownBlock3D", "DownBlock3D"),
                              "up_block_types": ("UpBlock3D", "CrossAttnUpBlock3D")},
@@ -54,6 +62,7 @@ OVERRIDES: dict[str, dict] = {
     "CosmosTransformer3DModel": {"concat_padding_mask": False},  # its resize needs torchvision
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
+    "Ideogram4Transformer2DModel": {"in_channels": 8, "mrope_section": (2, 2, 2)},
     "HunyuanVideoFramepackTransformer3DModel": {  # forward calls both unconditionally
         "has_clean_x_embedder": True, "has_image_proj": True, "image_proj_dim": TEXT_DIM},
     "DreamLiteTransformer2DModel": {"in_channels": 32, "norm_num_groups": 32},
@@ -63,6 +72,7 @@ OVERRIDES: dict[str, dict] = {
     "TransformerTemporalModel": {"in_channels": 32, "norm_num_groups": 32},
 }
 
+_PACKED = TEXT_TOKENS + SIDE * SIDE // 4  # text then image tokens in one sequence
 _PER_FRAME_T = {p: lambda: torch.tensor([[0.3, 0.4], [0.6, 0.7]]) for p in ("timestep", "r_timestep")}
 # per-class forward arguments the name rules cannot make (non-tensors are fixed, not inputs)
 INPUTS: dict[str, dict] = {
@@ -82,6 +92,19 @@ INPUTS: dict[str, dict] = {
         "latents_history_2x": lambda: torch.randn(BATCH, 16, 2, SIDE, SIDE),
         "indices_latents_history_4x": lambda: torch.arange(4),
         "latents_history_4x": lambda: torch.randn(BATCH, 16, 4, SIDE, SIDE)},
+    "Ideogram4Transformer2DModel": {  # one packed sequence: the text tokens, then the image's
+        "hidden_states": lambda: torch.randn(BATCH, _PACKED, 8),
+        "encoder_hidden_states": lambda: torch.randn(BATCH, _PACKED, TEXT_DIM),
+        "position_ids": lambda: torch.arange(_PACKED)[None, :, None].expand(BATCH, -1, 3),
+        "segment_ids": lambda: torch.zeros(BATCH, _PACKED, dtype=torch.long),
+        "indicator": lambda: torch.where(torch.arange(_PACKED) < TEXT_TOKENS, 3, 2).expand(
+            BATCH, -1)},  # LLM_TOKEN_INDICATOR, OUTPUT_IMAGE_INDICATOR
+    "Krea2Transformer2DModel": {  # text: (batch, tokens, encoder layers, width); positions packed
+        "hidden_states": lambda: torch.randn(BATCH, SIDE * SIDE // 4, 64),
+        "encoder_hidden_states": lambda: torch.randn(BATCH, TEXT_TOKENS, 1, TEXT_DIM),
+        "position_ids": lambda: torch.arange(_PACKED)[:, None].expand(-1, 3)},
+    "UNetControlNetXSModel": {  # its conditioning embedding halves the image once per level
+        "controlnet_cond": lambda: torch.randn(BATCH, 3, 2 * SIDE, 2 * SIDE)},
     "GlmImageTransformer2DModel": {  # one prior (VQ) token per image token, none dropped
         "prior_token_id": lambda: torch.zeros(BATCH, SIDE * SIDE // 4, dtype=torch.long),
         "prior_token_drop": lambda: torch.zeros(BATCH, SIDE * SIDE // 4, dtype=torch.bool)},
@@ -104,15 +127,16 @@ FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel",
 
 _LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
                      r"^num_\w*(layers|blocks)$")
-_HEADS = re.compile(r"^(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
+_HEADS = re.compile(r"^(text_)?(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
                     r"num_key_value_heads|n_kv_heads|num_kv_heads)$")
 _HEAD_DIM = re.compile(r"^(attention_head_dim|head_dim|rotary_dim)$")
 _TEXT = re.compile(r"(joint_attention_dim|cross_attention_dim|caption_channels|text_dim|"
                    r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim|"
                    r"text_in_dim|cap_feat_dim|context_in_dim|text_emb_dim|text_embed_2_dim|"
-                   r"encoder_hidden_size|condition_dim|in_text_dim2?|image_embed_dim)$")
+                   r"encoder_hidden_size|condition_dim|in_text_dim2?|image_embed_dim|llm_features_dim|"
+                   r"text_hidden_dim)$")
 _WIDTH = re.compile(r"^(hidden_size|dim|inner_dim|model_dim)$")
-_FFN = re.compile(r"^(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
+_FFN = re.compile(r"^(text_)?(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
                   r"moe_intermediate_dim)$")
 _SIZE = re.compile(r"^(sample_size|sample_height|sample_width)$")
 _ROPE = re.compile(r"^(axes_dims?_rope|rope_axes_dim|rope_dim|axes_dims|rope_dim_list|axes_dim)$")
