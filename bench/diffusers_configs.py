@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 BATCH, TEXT_TOKENS, TEXT_DIM, SIDE = 2, 5, 32, 8
+HEADS, HEAD_DIM = 2, 16
 
 # per-class fields the name rules cannot infer (applied after them)
 OVERRIDES: dict[str, dict] = {
@@ -62,6 +63,8 @@ OVERRIDES: dict[str, dict] = {
     "CosmosTransformer3DModel": {"concat_padding_mask": False},  # its resize needs torchvision
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
+    "OmniGenTransformer2DModel": {"vocab_size": 64, "pad_token_id": 0, "rope_scaling": {
+        "short_factor": [1.0] * (HEAD_DIM // 2), "long_factor": [1.0] * (HEAD_DIM // 2)}},
     "Ideogram4Transformer2DModel": {"in_channels": 8, "mrope_section": (2, 2, 2)},
     "HunyuanVideoFramepackTransformer3DModel": {  # forward calls both unconditionally
         "has_clean_x_embedder": True, "has_image_proj": True, "image_proj_dim": TEXT_DIM},
@@ -73,6 +76,7 @@ OVERRIDES: dict[str, dict] = {
 }
 
 _PACKED = TEXT_TOKENS + SIDE * SIDE // 4  # text then image tokens in one sequence
+_OMNI = _PACKED + 1  # OmniGen's sequence: text tokens, one time token, image tokens
 _PER_FRAME_T = {p: lambda: torch.tensor([[0.3, 0.4], [0.6, 0.7]]) for p in ("timestep", "r_timestep")}
 # per-class forward arguments the name rules cannot make (non-tensors are fixed, not inputs)
 INPUTS: dict[str, dict] = {
@@ -103,6 +107,18 @@ INPUTS: dict[str, dict] = {
         "hidden_states": lambda: torch.randn(BATCH, SIDE * SIDE // 4, 64),
         "encoder_hidden_states": lambda: torch.randn(BATCH, TEXT_TOKENS, 1, TEXT_DIM),
         "position_ids": lambda: torch.arange(_PACKED)[:, None].expand(-1, 3)},
+    "Kandinsky5Transformer3DModel": {  # channels-last video; RoPE positions per axis of the patches
+        "hidden_states": lambda: torch.randn(BATCH, 2, SIDE, SIDE, 4),
+        "visual_rope_pos": lambda: (torch.arange(2), torch.arange(SIDE // 2), torch.arange(SIDE // 2)),
+        "text_rope_pos": lambda: torch.arange(TEXT_TOKENS)},
+    "JoyImageEditPlusTransformer3DModel": {  # patchified: (batch, patches, channels, pt, ph, pw)
+        "hidden_states": lambda: torch.randn(BATCH, SIDE * SIDE // 4, 16, 1, 2, 2),
+        "shape_list": lambda: [[(1, SIDE // 2, SIDE // 2)]] * BATCH},
+    "OmniGenTransformer2DModel": {  # text ids, no input images; one sequence: text, time, image
+        "input_ids": lambda: torch.arange(1, TEXT_TOKENS + 1).expand(BATCH, -1),
+        "input_img_latents": lambda: [], "input_image_sizes": lambda: {},
+        "attention_mask": lambda: torch.ones(BATCH, _OMNI, _OMNI),
+        "position_ids": lambda: torch.arange(_OMNI).expand(BATCH, -1)},
     "UNetControlNetXSModel": {  # its conditioning embedding halves the image once per level
         "controlnet_cond": lambda: torch.randn(BATCH, 3, 2 * SIDE, 2 * SIDE)},
     "GlmImageTransformer2DModel": {  # one prior (VQ) token per image token, none dropped
@@ -143,7 +159,6 @@ _ROPE = re.compile(r"^(axes_dims?_rope|rope_axes_dim|rope_dim|axes_dims|rope_dim
 # video lengths in frames: 2 latent frames (CogVideoX compresses 4 frames after the first into one)
 _FRAMES = re.compile(r"^sample_frames$")
 _TEXT_LEN = re.compile(r"^(max_text_seq_length|text_len)$")
-HEADS, HEAD_DIM = 2, 16
 # name rule -> tiny value, first match wins
 _RULES = ((_LAYERS, 1), (_HEADS, HEADS), (_HEAD_DIM, HEAD_DIM), (_TEXT, TEXT_DIM),
           (_WIDTH, HEADS * HEAD_DIM), (_FFN, 2 * HEADS * HEAD_DIM), (_SIZE, SIDE),
