@@ -63,6 +63,8 @@ OVERRIDES: dict[str, dict] = {
     "CosmosTransformer3DModel": {"concat_padding_mask": False},  # its resize needs torchvision
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
+    "Kandinsky6Transformer3DModel": {"visual_cond": False},
+    "Kandinsky6SRTransformer3DModel": {"in_visual_dim": 8, "out_visual_dim": 8},
     "OmniGenTransformer2DModel": {"vocab_size": 64, "pad_token_id": 0, "rope_scaling": {
         "short_factor": [1.0] * (HEAD_DIM // 2), "long_factor": [1.0] * (HEAD_DIM // 2)}},
     "Ideogram4Transformer2DModel": {"in_channels": 8, "mrope_section": (2, 2, 2)},
@@ -119,6 +121,9 @@ INPUTS: dict[str, dict] = {
         "input_img_latents": lambda: [], "input_image_sizes": lambda: {},
         "attention_mask": lambda: torch.ones(BATCH, _OMNI, _OMNI),
         "position_ids": lambda: torch.arange(_OMNI).expand(BATCH, -1)},
+    "Kandinsky6Transformer3DModel": {"hidden_states": lambda: torch.randn(BATCH, 2, SIDE, SIDE, 16)},
+    "Kandinsky6SRTransformer3DModel": {  # channels last: latents, low-res condition, mask
+        "hidden_states": lambda: torch.randn(BATCH, 2, SIDE, SIDE, 2 * 8 + 1)},
     "UNetControlNetXSModel": {  # its conditioning embedding halves the image once per level
         "controlnet_cond": lambda: torch.randn(BATCH, 3, 2 * SIDE, 2 * SIDE)},
     "GlmImageTransformer2DModel": {  # one prior (VQ) token per image token, none dropped
