@@ -124,6 +124,9 @@ INPUTS: dict[str, dict] = {
     "Kandinsky6Transformer3DModel": {"hidden_states": lambda: torch.randn(BATCH, 2, SIDE, SIDE, 16)},
     "Kandinsky6SRTransformer3DModel": {  # channels last: latents, low-res condition, mask
         "hidden_states": lambda: torch.randn(BATCH, 2, SIDE, SIDE, 2 * 8 + 1)},
+    "DualTransformer2DModel": {  # splits the text at its fixed condition_lengths 77 + 257
+        "encoder_hidden_states": lambda: torch.randn(BATCH, 77 + 257, TEXT_DIM)},
+    "ZImageTransformer2DModel": {"x": lambda: torch.randn(BATCH, 16, 1, SIDE, SIDE)},  # C F H W
     "UNetControlNetXSModel": {  # its conditioning embedding halves the image once per level
         "controlnet_cond": lambda: torch.randn(BATCH, 3, 2 * SIDE, 2 * SIDE)},
     "GlmImageTransformer2DModel": {  # one prior (VQ) token per image token, none dropped
@@ -140,6 +143,9 @@ INPUTS: dict[str, dict] = {
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
 }
+
+# classes whose forward takes these arguments as lists of per-sample tensors
+UNBATCHED = {"ZImageTransformer2DModel": ("x", "cap_feats")}
 
 # video models whose latents are (batch, frames, channels, height, width)
 FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel",
@@ -280,7 +286,7 @@ def _input(p: str, name: str, cfg, params) -> object:
 def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
     """The forward parameters given and their example tensors."""
     name, params = type(model).__name__, inspect.signature(model.forward).parameters
-    cfg = getattr(model, "config", {})
+    cfg = next(m.config for m in model.modules() if hasattr(m, "config"))  # Dual: its first half's
     names, values = [], []
     for p, param in params.items():
         value = _input(p, name, cfg, params)
@@ -296,16 +302,22 @@ def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
 
 class Wrapped(nn.Module):
     """``model(**dict(zip(names, inputs)), **fixed, return_dict=False)``'s first tensor: the
-    tensors are the inputs, the other arguments (shapes as Python lists) are fixed."""
+    tensors are the inputs, the other arguments (shapes as Python lists) are fixed. A class of
+    ``UNBATCHED`` gets those inputs as lists of per-sample tensors and its output list stacked."""
 
     def __init__(self, model: nn.Module, names: list[str], inputs: tuple, fixed: dict):
         super().__init__()
         self.model, self.names, self.inputs, self.fixed = model, names, inputs, fixed
         self.return_dict = "return_dict" in inspect.signature(model.forward).parameters
+        self.unbatched = UNBATCHED.get(type(model).__name__, ())
 
     def forward(self, *inputs):
-        kwargs = {**dict(zip(self.names, inputs)), **self.fixed}
+        kwargs = {n: list(v.unbind(0)) if n in self.unbatched else v
+                  for n, v in zip(self.names, inputs)}
+        kwargs.update(self.fixed)
         out = self.model(**kwargs, return_dict=False) if self.return_dict else self.model(**kwargs)
         while not isinstance(out, torch.Tensor):
+            if isinstance(out, list) and all(isinstance(o, torch.Tensor) for o in out):
+                return torch.stack(out)
             out = out[0] if isinstance(out, (tuple, list)) else out.sample
         return out
