@@ -64,6 +64,11 @@ OVERRIDES: dict[str, dict] = {
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
     "Kandinsky6Transformer3DModel": {"visual_cond": False},
+    "MiniMaxH3Transformer3DModel": {"in_channels": 4, "audio_in_channels": 8,
+                                    "time_embed_hidden_dim": 32, "time_embed_dim": 32,
+                                    "rope_freq_dim": 2},  # rotates 6 * 2 of the 16 channels
+    "LTX2VideoTransformer3DModel": {"in_channels": 8, "out_channels": 8, "audio_in_channels": 8,
+                                    "audio_out_channels": 8},
     "Kandinsky6SRTransformer3DModel": {"in_visual_dim": 8, "out_visual_dim": 8},
     "OmniGenTransformer2DModel": {"vocab_size": 64, "pad_token_id": 0, "rope_scaling": {
         "short_factor": [1.0] * (HEAD_DIM // 2), "long_factor": [1.0] * (HEAD_DIM // 2)}},
@@ -79,6 +84,7 @@ OVERRIDES: dict[str, dict] = {
 
 _PACKED = TEXT_TOKENS + SIDE * SIDE // 4  # text then image tokens in one sequence
 _OMNI = _PACKED + 1  # OmniGen's sequence: text tokens, one time token, image tokens
+_H3 = TEXT_TOKENS + 16 + 4  # MiniMaxH3's rows: text, video, audio
 _PER_FRAME_T = {p: lambda: torch.tensor([[0.3, 0.4], [0.6, 0.7]]) for p in ("timestep", "r_timestep")}
 # per-class forward arguments the name rules cannot make (non-tensors are fixed, not inputs)
 INPUTS: dict[str, dict] = {
@@ -139,6 +145,22 @@ INPUTS: dict[str, dict] = {
     "LTXVideoTransformer3DModel": {  # latents as (batch, frames * height * width, channels)
         "hidden_states": lambda: torch.randn(BATCH, 2 * SIDE * SIDE, 8),
         "num_frames": lambda: 2, "height": lambda: SIDE, "width": lambda: SIDE},
+    "LTX2VideoTransformer3DModel": {  # video and audio latents as token sequences
+        "hidden_states": lambda: torch.randn(BATCH, 2 * SIDE * SIDE, 8),
+        "audio_hidden_states": lambda: torch.randn(BATCH, 4, 8),
+        "audio_encoder_hidden_states": lambda: torch.randn(BATCH, TEXT_TOKENS, TEXT_DIM),
+        "num_frames": lambda: 2, "height": lambda: SIDE, "width": lambda: SIDE,
+        "audio_num_frames": lambda: 4},
+    "MiniMaxH3Transformer3DModel": {  # one packed sequence: text, video, audio rows; one timestep
+        "hidden_states": lambda: torch.randn(BATCH, 16, 4 * 4),
+        "audio_hidden_states": lambda: torch.randn(BATCH, 4, 8),
+        "timestep": lambda: torch.tensor([0.5]),
+        "timestep_indices": lambda: torch.zeros(_H3, dtype=torch.long),
+        "token_tags": lambda: torch.tensor([1] * TEXT_TOKENS + [0] * 16 + [2] * 4),
+        "position_ids": lambda: torch.arange(_H3)[:, None].expand(-1, 3),
+        "text_indices": lambda: torch.arange(TEXT_TOKENS),
+        "video_indices": lambda: torch.arange(TEXT_TOKENS, TEXT_TOKENS + 16),
+        "audio_indices": lambda: torch.arange(TEXT_TOKENS + 16, _H3)},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
@@ -154,16 +176,16 @@ FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel",
 
 _LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
                      r"^num_\w*(layers|blocks)$")
-_HEADS = re.compile(r"^(text_)?(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
+_HEADS = re.compile(r"^(text_|audio_)?(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
                     r"num_key_value_heads|n_kv_heads|num_kv_heads)$")
-_HEAD_DIM = re.compile(r"^(attention_head_dim|head_dim|rotary_dim)$")
+_HEAD_DIM = re.compile(r"^(audio_)?(attention_head_dim|head_dim|rotary_dim)$")
 _TEXT = re.compile(r"(joint_attention_dim|cross_attention_dim|caption_channels|text_dim|"
                    r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim|"
                    r"text_in_dim|cap_feat_dim|context_in_dim|text_emb_dim|text_embed_2_dim|"
                    r"encoder_hidden_size|condition_dim|in_text_dim2?|image_embed_dim|llm_features_dim|"
                    r"text_hidden_dim)$")
 _WIDTH = re.compile(r"^(hidden_size|dim|inner_dim|model_dim)$")
-_FFN = re.compile(r"^(text_)?(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
+_FFN = re.compile(r"^(text_|audio_)?(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
                   r"moe_intermediate_dim)$")
 _SIZE = re.compile(r"^(sample_size|sample_height|sample_width)$")
 _ROPE = re.compile(r"^(axes_dims?_rope|rope_axes_dim|rope_dim|axes_dims|rope_dim_list|axes_dim)$")
