@@ -62,6 +62,7 @@ OVERRIDES: dict[str, dict] = {
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
     "Kandinsky6Transformer3DModel": {"visual_cond": False},
+    "SanaWMLTX2RefinerTransformer3DModel": {"in_channels": 8, "out_channels": 8},
     "MiniMaxH3Transformer3DModel": {"in_channels": 4, "audio_in_channels": 8,
                                     "time_embed_hidden_dim": 32, "time_embed_dim": 32,
                                     "rope_freq_dim": 2},  # rotates 6 * 2 of the 16 channels

@@ -98,9 +98,19 @@ INPUTS: dict[str, dict] = {
         "text_indices": lambda: torch.arange(TEXT_TOKENS),
         "video_indices": lambda: torch.arange(TEXT_TOKENS, TEXT_TOKENS + 16),
         "audio_indices": lambda: torch.arange(TEXT_TOKENS + 16, _H3)},
+    "SanaWMLTX2RefinerTransformer3DModel": {  # 2 frames of video tokens, a timestep per token
+        "hidden_states": lambda: torch.randn(BATCH, 2 * SIDE * SIDE, 8),
+        "timestep": lambda: torch.rand(BATCH, 2 * SIDE * SIDE)},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
+}
+
+# arguments a class's own helper makes from the model (its RoPE for given frame positions)
+MODEL_INPUTS: dict[str, dict] = {
+    "SanaWMLTX2RefinerTransformer3DModel": {
+        "video_rotary_emb": lambda m: m.build_rotary_emb_for_absolute_positions(
+            BATCH, [0, 1], SIDE, SIDE, torch.device("cpu"), 24.0)},
 }
 
 # classes whose forward takes these arguments as lists of per-sample tensors
@@ -130,10 +140,13 @@ def _latent(name: str, cfg, tokens: bool) -> torch.Tensor:
     return torch.randn(BATCH, c, SIDE, SIDE)
 
 
-def _input(p: str, name: str, cfg, params) -> object:
+def _input(p: str, model: nn.Module, cfg, params) -> object:
     """An example value for forward parameter ``p``, or ``inspect.Parameter.empty`` to leave it."""
+    name = type(model).__name__
     if p in INPUTS.get(name, {}):
         return INPUTS[name][p]()
+    if p in MODEL_INPUTS.get(name, {}):
+        return MODEL_INPUTS[name][p](model)
     required = params[p].default is inspect.Parameter.empty
     tokens = "img_ids" in params or "img_shapes" in params
     if p in ("hidden_states", "sample", "x"):
@@ -170,11 +183,11 @@ def _input(p: str, name: str, cfg, params) -> object:
 
 def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
     """The forward parameters given and their example tensors."""
-    name, params = type(model).__name__, inspect.signature(model.forward).parameters
+    params = inspect.signature(model.forward).parameters
     cfg = next(m.config for m in model.modules() if hasattr(m, "config"))  # Dual: its first half's
     names, values = [], []
     for p, param in params.items():
-        value = _input(p, name, cfg, params)
+        value = _input(p, model, cfg, params)
         if value is inspect.Parameter.empty:
             if param.default is inspect.Parameter.empty and param.kind not in (
                     param.VAR_POSITIONAL, param.VAR_KEYWORD):
