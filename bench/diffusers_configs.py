@@ -62,6 +62,11 @@ OVERRIDES: dict[str, dict] = {
     "UNet1DModel": {"extra_in_channels": 64},  # the input meets its 64-channel Fourier time embedding
     "PRXTransformer2DModel": {"axes_dim": (8, 8)},
     "Kandinsky6Transformer3DModel": {"visual_cond": False},
+    "WanAnimateTransformer3DModel": {  # an 8-pixel face: one motion-encoder block, 4x4 to 1x1
+        "in_channels": 2 * 4 + 4, "latent_channels": 4, "out_channels": 4, "motion_encoder_size": 8,
+        "motion_encoder_channel_sizes": {"4": 8, "8": 8}, "motion_style_dim": TEXT_DIM,
+        "motion_dim": 4, "motion_encoder_dim": TEXT_DIM, "face_encoder_hidden_dim": TEXT_DIM,
+        "face_encoder_num_heads": HEADS, "inject_face_latents_blocks": 1, "image_dim": TEXT_DIM},
     "SanaWMLTX2RefinerTransformer3DModel": {"in_channels": 8, "out_channels": 8},
     "MiniMaxH3Transformer3DModel": {"in_channels": 4, "audio_in_channels": 8,
                                     "time_embed_hidden_dim": 32, "time_embed_dim": 32,

@@ -101,6 +101,10 @@ INPUTS: dict[str, dict] = {
     "SanaWMLTX2RefinerTransformer3DModel": {  # 2 frames of video tokens, a timestep per token
         "hidden_states": lambda: torch.randn(BATCH, 2 * SIDE * SIDE, 8),
         "timestep": lambda: torch.rand(BATCH, 2 * SIDE * SIDE)},
+    "WanAnimateTransformer3DModel": {  # latents (noisy, reference, mask: 2C + 4) on T + 1 frames
+        "hidden_states": lambda: torch.randn(BATCH, 2 * 4 + 4, 3, SIDE, SIDE),
+        "pose_hidden_states": lambda: torch.randn(BATCH, 4, 2, SIDE, SIDE),
+        "face_pixel_values": lambda: torch.randn(BATCH, 3, 2, SIDE, SIDE)},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
