@@ -105,6 +105,8 @@ INPUTS: dict[str, dict] = {
         "hidden_states": lambda: torch.randn(BATCH, 2 * 4 + 4, 3, SIDE, SIDE),
         "pose_hidden_states": lambda: torch.randn(BATCH, 4, 2, SIDE, SIDE),
         "face_pixel_values": lambda: torch.randn(BATCH, 3, 2, SIDE, SIDE)},
+    "UNetMotionModel": {  # the text per frame (AnimateDiff's pipeline repeats it)
+        "encoder_hidden_states": lambda: torch.randn(BATCH * 2, TEXT_TOKENS, TEXT_DIM)},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
