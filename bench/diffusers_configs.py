@@ -55,7 +55,9 @@ OVERRIDES: dict[str, dict] = {
         "down_block_types": ("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
         "up_block_types": ("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
         "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 24, "num_frames": 2},
-    "HiDreamImageTransformer2DModel": {"patch_size": 2},
+    "HiDreamImageTransformer2DModel": {"patch_size": 2, "in_channels": 4, "llama_layers": (0, 1),
+                                       "caption_channels": (TEXT_DIM, TEXT_DIM),
+                                       "axes_dims_rope": (4, 6, 6), "max_resolution": (SIDE, SIDE)},
     "EasyAnimateTransformer3DModel": {"patch_size": 2, "in_channels": 4, "out_channels": 4,
                                       "text_embed_dim_t5": TEXT_DIM},
     "CosmosTransformer3DModel": {"concat_padding_mask": False},  # its resize needs torchvision

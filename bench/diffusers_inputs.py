@@ -107,6 +107,9 @@ INPUTS: dict[str, dict] = {
         "face_pixel_values": lambda: torch.randn(BATCH, 3, 2, SIDE, SIDE)},
     "UNetMotionModel": {  # the text per frame (AnimateDiff's pipeline repeats it)
         "encoder_hidden_states": lambda: torch.randn(BATCH * 2, TEXT_TOKENS, TEXT_DIM)},
+    "HiDreamImageTransformer2DModel": {  # latents it patchifies itself; Llama's two tapped layers
+        "hidden_states": lambda: torch.randn(BATCH, 4, SIDE, SIDE), "img_ids": lambda: None,
+        "encoder_hidden_states_llama3": lambda: torch.randn(2, BATCH, TEXT_TOKENS, TEXT_DIM)},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
