@@ -97,7 +97,7 @@ _TEXT = re.compile(r"(joint_attention_dim|cross_attention_dim|caption_channels|t
                    r"pooled_projection_dim|text_embed_dim|caption_projection_dim|context_dim|"
                    r"text_in_dim|cap_feat_dim|context_in_dim|text_emb_dim|text_embed_2_dim|"
                    r"encoder_hidden_size|condition_dim|in_text_dim2?|image_embed_dim|llm_features_dim|"
-                   r"text_hidden_dim)$")
+                   r"text_hidden_dim|text_encoder_dim)$")
 _WIDTH = re.compile(r"^(hidden_size|dim|inner_dim|model_dim)$")
 _FFN = re.compile(r"^(text_|audio_)?(ffn_dim|ff_dim|intermediate_size|ffn_hidden_size|ff_inner_dim|"
                   r"moe_intermediate_dim)$")

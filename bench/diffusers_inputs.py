@@ -110,6 +110,8 @@ INPUTS: dict[str, dict] = {
     "HiDreamImageTransformer2DModel": {  # latents it patchifies itself; Llama's two tapped layers
         "hidden_states": lambda: torch.randn(BATCH, 4, SIDE, SIDE), "img_ids": lambda: None,
         "encoder_hidden_states_llama3": lambda: torch.randn(2, BATCH, TEXT_TOKENS, TEXT_DIM)},
+    "BriaFiboTransformer2DModel": {
+        "text_encoder_layers": lambda: torch.randn(2, BATCH, TEXT_TOKENS, TEXT_DIM)},
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
@@ -122,8 +124,10 @@ MODEL_INPUTS: dict[str, dict] = {
             BATCH, [0, 1], SIDE, SIDE, torch.device("cpu"), 24.0)},
 }
 
-# classes whose forward takes these arguments as lists of per-sample tensors
-UNBATCHED = {"ZImageTransformer2DModel": ("x", "cap_feats")}
+# arguments a forward takes as lists of tensors: the input, unbound along its first dimension
+# (ZImage: per sample; BriaFibo: one text-encoder layer per transformer block)
+UNBATCHED = {"ZImageTransformer2DModel": ("x", "cap_feats"),
+             "BriaFiboTransformer2DModel": ("text_encoder_layers",)}
 
 # video models whose latents are (batch, frames, channels, height, width)
 FRAMES_FIRST = ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel",
@@ -210,7 +214,7 @@ def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
 class Wrapped(nn.Module):
     """``model(**dict(zip(names, inputs)), **fixed, return_dict=False)``'s first tensor: the
     tensors are the inputs, the other arguments (shapes as Python lists) are fixed. A class of
-    ``UNBATCHED`` gets those inputs as lists of per-sample tensors and its output list stacked."""
+    ``UNBATCHED`` gets those inputs as lists of tensors and a list output stacked."""
 
     def __init__(self, model: nn.Module, names: list[str], inputs: tuple, fixed: dict):
         super().__init__()
