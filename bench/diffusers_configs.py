@@ -72,6 +72,8 @@ OVERRIDES: dict[str, dict] = {
     "BriaFibo2Transformer2DModel": {"injection_layer_ids": (0,), "min_num_gist_tokens": 4,
                                     "max_num_gist_tokens": 8, "gist_step": 4,
                                     "gist_min_text_len": 4, "gist_max_text_len": 8},
+    "SanaWMTransformer3DModel": {"in_channels": 8, "linear_head_dim": HEAD_DIM,
+                                 "use_chunk_plucker_post_attn": False},
     "SanaWMLTX2RefinerTransformer3DModel": {"in_channels": 8, "out_channels": 8},
     "MiniMaxH3Transformer3DModel": {"in_channels": 4, "audio_in_channels": 8,
                                     "time_embed_hidden_dim": 32, "time_embed_dim": 32,

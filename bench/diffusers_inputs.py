@@ -114,6 +114,7 @@ INPUTS: dict[str, dict] = {
         "text_encoder_layers": lambda: torch.randn(2, BATCH, TEXT_TOKENS, TEXT_DIM)},
     "BriaFibo2Transformer2DModel": {  # the text's perceiver layer, then one per injection block
         "encoder_hidden_states": lambda: torch.randn(BATCH, 2, TEXT_TOKENS, TEXT_DIM)},
+    "SanaWMTransformer3DModel": {"timestep": lambda: torch.rand(BATCH, 1, 2)},  # per frame
     "QwenImage21Transformer2DModel": {  # text slots, then image slots of 2x2 latent tokens each
         "img_mask": lambda: torch.arange(TEXT_TOKENS + SIDE * SIDE // 16).expand(BATCH, -1)
         >= TEXT_TOKENS},
