@@ -8,7 +8,8 @@ FFN widths 64, text / pooled / caption / image-embedding widths 32, sample sizes
 rescaled to sum to the head width, 5 video frames, text lengths 5), then ``OVERRIDES`` where a
 class needs fields that agree with each other or with its inputs (UNet channel lists, channel
 counts, patch sizes). A class these heuristics cannot build is a ``not built`` row with the
-error: a config or input problem of this sweep, not tpcompile's.
+error: a config or input problem of this sweep, not tpcompile's; a class of ``SKIP`` cannot
+run tiny on CPU at all, and its row says why.
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ OVERRIDES: dict[str, dict] = {
     "TransformerTemporalModel": {"in_channels": 32, "norm_num_groups": 32},
 }
 
+# classes this sweep cannot run tiny on CPU, and why (a "not built" row with the reason)
+SKIP: dict[str, str] = {
+    "WanAnimate2Transformer3DModel": (
+        "two passes: a reference pass (kv_cache_mode='extract') whose product is the KV cache "
+        "it fills, then the denoising pass ('cached') through a flex-attention BlockMask, which "
+        "has no backward on CPU"),
+}
+
+
+class CannotBuildTiny(Exception):
+    """A class of ``SKIP``: the reason is the message."""
+
+
 _LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
                      r"^num_\w*(layers|blocks)$")
 _HEADS = re.compile(r"^(text_|audio_)?(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
@@ -150,6 +164,8 @@ def _shrink(name: str, cls: type) -> dict:
 def build(name: str) -> nn.Module:
     """``name`` at its tiny config, ``nn.Dropout`` off: the sharded and the unsharded model draw
     dropout from different generator streams (UNet3D's TemporalConvLayer keeps p=0.1)."""
+    if name in SKIP:
+        raise CannotBuildTiny(SKIP[name])
     torch.manual_seed(0)
     cls = classes()[name]
     model = cls(**_shrink(name, cls))
