@@ -163,7 +163,9 @@ def _shrink(name: str, cls: type) -> dict:
 
 def build(name: str) -> nn.Module:
     """``name`` at its tiny config, ``nn.Dropout`` off: the sharded and the unsharded model draw
-    dropout from different generator streams (UNet3D's TemporalConvLayer keeps p=0.1)."""
+    dropout from different generator streams (UNet3D's TemporalConvLayer keeps p=0.1). Weights
+    initialised to zero (output layers, AdaLN-zero modulations, pad tokens) get ``randn * 0.05``:
+    a zero weight hides what flows through it (Ernie's output is all zeros otherwise)."""
     if name in SKIP:
         raise CannotBuildTiny(SKIP[name])
     torch.manual_seed(0)
@@ -172,6 +174,10 @@ def build(name: str) -> nn.Module:
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dim() >= 2 and not p.any():
+                p.copy_(torch.randn_like(p) * 0.05)
     return wrap(model)
 
 
