@@ -20,7 +20,7 @@ import re
 import torch
 from torch import nn
 
-from bench.diffusers_inputs import HEAD_DIM, HEADS, SIDE, TEXT_DIM, TEXT_TOKENS, wrap
+from bench.diffusers_inputs import HEAD_DIM, HEADS, SIDE, TEXT_DIM, TEXT_TOKENS, config_of, wrap
 
 # per-class fields the name rules cannot infer (applied after them)
 OVERRIDES: dict[str, dict] = {
@@ -183,5 +183,5 @@ def build(name: str) -> nn.Module:
 
 def n_layers(model: nn.Module) -> int:
     """The tiny config's largest layer count (what the verdict expects to find per layer)."""
-    cfg = model.model.config
+    cfg = config_of(model.model)
     return max([v for k, v in cfg.items() if _LAYERS.search(k) and isinstance(v, int)] or [1])

@@ -197,10 +197,15 @@ def _input(p: str, model: nn.Module, cfg, params) -> object:
     return inspect.Parameter.empty
 
 
+def config_of(model: nn.Module):
+    """``model``'s config; DualTransformer2DModel has none of its own: its first half's."""
+    return next(m.config for m in model.modules() if hasattr(m, "config"))
+
+
 def example_arguments(model: nn.Module) -> tuple[list[str], tuple]:
     """The forward parameters given and their example tensors."""
     params = inspect.signature(model.forward).parameters
-    cfg = next(m.config for m in model.modules() if hasattr(m, "config"))  # Dual: its first half's
+    cfg = config_of(model)
     names, values = [], []
     for p, param in params.items():
         value = _input(p, model, cfg, params)
