@@ -245,6 +245,13 @@ class OpView:
         """A 1-D parameter beside the weight (``linear``'s bias) labels no activation dim."""
         return arg is not weight and self.is_param(arg) and len(shape(arg)) == 1
 
+    def projected(self, arg: fx.Node, layout: Layout) -> bool:
+        """``arg`` is, through views and casts, the output of the matmul that starts
+        ``layout``'s root: a column-parallel projection read as it is, not a sum it joined."""
+        while arg.op == "call_function" and passes_cut(arg):
+            arg = arg.args[0]
+        return any(self._state.roots.get(b) is arg for b in self.specs.bases(layout.root))
+
     def param_behind(self, arg) -> fx.Node | None:
         """The parameter ``arg`` is, or is a view of (through ops the rule table maps dims of,
         each used once), or the quantized weight it dequantizes

@@ -18,7 +18,8 @@ block instead of one per expert).
 The out-of-place overload of an in-place op comes from torch's own naming relation
 (``aten.index_add_.default`` -> ``aten.index_add.default``); only the views the rule table
 gives a scatter inverse (``SCATTERS``: ``slice``, ``select``) are written through, and it says
-what a ``copy_`` writes (``value_of_write``). Anything else stays in place.
+what a ``copy_`` writes (``value_of_write``); a cast to the tensor's own dtype on the way is
+the tensor itself, as in eager, and is dropped. Anything else stays in place.
 """
 
 from __future__ import annotations
@@ -66,6 +67,34 @@ def _written_through(node: fx.Node, fresh: set[fx.Node]) -> list[fx.Node] | None
     return chain
 
 
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other)
+
+
+def _identity_cast(node: fx.Node) -> bool:
+    """``x.to(dtype)`` of ``x``'s own dtype and device, no copy asked: torch returns ``x``
+    itself (CogView4's ``norm_q(query).to(dtype=dtype)`` before writing rotary into a slice)."""
+    if node.op != "call_function" or node.target not in _CASTS or not isinstance(node.args[0], fx.Node):
+        return False
+    out, x = val(node), val(node.args[0])
+    kw = node.kwargs
+    return (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype == x.dtype
+            and out.device == x.device and not kw.get("copy", False)
+            and kw.get("memory_format") in (None, torch.preserve_format))
+
+
+def _drop_identity_casts(g: fx.Graph, written: fx.Node) -> None:
+    """Identity casts between a written view and its base, replaced by what they cast: the
+    write lands in the base, as in eager."""
+    node = written
+    while node.op == "call_function" and isinstance(node.args[0], fx.Node) and (
+            node.target in SCATTERS or _identity_cast(node)):
+        base = node.args[0]
+        if _identity_cast(node):
+            node.replace_all_uses_with(base)
+            g.erase_node(node)
+        node = base
+
+
 def _unobserved(chain: list[fx.Node], node: fx.Node, order: dict) -> bool:
     """Every other view of the buffer taken before the write is read only before it (a view
     read after it would see the write): the gated delta rule's ``row = ut[..., i, :i].clone()``
@@ -106,6 +135,8 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> PassResult:
     changed = False
     for node in list(g.nodes):
         functional = out_of_place(node.target) if node.op == "call_function" else None
+        if functional is not None and len(written_args(node)) == 1:
+            _drop_identity_casts(g, written_args(node)[0])
         chain = _written_through(node, fresh | computed) if functional is not None else None
         if chain is None or (len(chain) > 1 and node.users) or not _unobserved(chain, node, order):
             continue

@@ -61,6 +61,8 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     "mqa_einsum_squeezed": (2, 4),
     "mlp_relu_squared": (2, 4),        # torch.square: ruled by torch's pointwise tag
     "qk_norm_whole": (2, 4),           # OLMo 2: a norm's statistic over the heads, all-reduced
+    "qk_rmsnorm_whole_fused": (2, 4),  # Wan: the same norm as ATen's fused rms_norm
+    "mlp_group_norm": (2, 4),          # GroupNorm: each rank normalises its whole groups
     # depthwise conv1d on channel shards; x_proj's partial (dt, B, C) all-reduced once, not per
     # scan step; A_log stored sharded through -exp(A_log)
     "mamba_selective_scan": (2, 4),

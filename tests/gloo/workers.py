@@ -145,6 +145,29 @@ class FreshBufferIndexAdd(nn.Module):
         return x + out.view(B, T, C)
 
 
+class RotaryWrittenIntoSlice(nn.Module):
+    """CogView4's attention: per-head LayerNorm on q and k, ``.to(dtype)`` of their own dtype
+    (the same tensor), then rotary written in place into the image tokens' slice
+    (``q[:, :, text:, :] = rotate(q[:, :, text:, :])``)."""
+
+    def __init__(self, dim=32, heads=4, text=3):
+        super().__init__()
+        self.heads, self.text = heads, text
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = nn.LayerNorm(dim // heads), nn.LayerNorm(dim // heads)
+        self.o = nn.Linear(dim, dim)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(2, (self.heads, -1)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k = self.norm_q(q).to(dtype=x.dtype), self.norm_k(k).to(dtype=x.dtype)
+        t = self.text
+        q[:, :, t:, :] = torch.cat([-q[:, :, t:, 1::2], q[:, :, t:, ::2]], -1) * 0.5 + q[:, :, t:, :]
+        k[:, :, t:, :] = torch.cat([-k[:, :, t:, 1::2], k[:, :, t:, ::2]], -1) * 0.5 + k[:, :, t:, :]
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.o(y.transpose(1, 2).flatten(2))
+
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -163,6 +186,7 @@ CASES = {
     # in-place writes into buffers the model makes itself, planned out of place
     "fresh_buffer_copy": (FreshBufferKeys, {}),
     "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),
+    "rotary_written_into_slice": (RotaryWrittenIntoSlice, {}),
 }
 
 

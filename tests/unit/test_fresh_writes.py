@@ -149,3 +149,19 @@ def test_a_computed_result_viewed_before_and_read_after_the_write_stays_in_place
         g.output(g.call_function(operator.add, (early, y)))
     gm = _functionalized(_graph(build))
     assert aten.fill_.Scalar in [n.target for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rotary_written_into_a_slice_of_normed_heads_is_sharded_by_heads(world_size):
+    """CogView4: the write goes through ``.to(its own dtype)`` (the tensor itself) into a
+    slice of the per-head norm's output: a ``slice_scatter``, q / k / v cut by heads, o by
+    rows, one forward all-reduce (numerics: tests/gloo/test_numerics.py)."""
+    planned = _planned(workers.RotaryWrittenIntoSlice, world_size)
+    targets = _targets(planned)
+    # each write: q[:, :, t:, :] is two slices (dims 0 and 2), each scattered back
+    assert aten.copy_.default not in targets and targets.count(aten.slice_scatter.default) == 4
+    styles = planned.plan.styles()
+    assert {f: styles[f] for f in ("q.weight", "k.weight", "v.weight", "o.weight")} == {
+        "q.weight": "colwise", "k.weight": "colwise", "v.weight": "colwise", "o.weight": "rowwise"}
+    assert len(_all_reduces(planned.plan)) == 1 and not planned.plan.fallbacks
+

@@ -34,7 +34,7 @@ from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, LatentAttenti
                                   TorchtitanAttention, UnboundPairsGQA)
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
                                     IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
-                                    SplitWeightQKV, TimmQKV, WholeQKNorm)
+                                    SplitWeightQKV, TimmQKV, WholeQKNorm, FusedWholeQKNorm)
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
                                   SelectiveScan, SqueezedMQA)
@@ -43,7 +43,7 @@ from zoo.idioms.diffusion import DiT, SingleStreamDiT, dit_inputs
 from zoo.idioms.mlps import (CastWeightsSwiGLU, EinsumMoE, FusedGateUp, GroupedExpertsLoop,
                              IndexPutMoE, InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU,
                              PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE,
-                             StackedMoE)
+                             StackedMoE, GroupNormMLP)
 
 __all__ = ["IDIOMS", "EXPECT", "Expect", "INPUTS", "STYLES", "LAYERS", "VOCAB", "build",
            "example_inputs"]
@@ -193,6 +193,10 @@ _REGISTRY = [
     ("qk_norm_whole", lambda: LM(attn=WholeQKNorm),
      attention_expect(col=ATTN_COL + _in_layers("attn.q_norm.weight", "attn.k_norm.weight"),
                       fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=3)),
+    # Wan's fused ``nn.RMSNorm`` over every head: planned through its decomposition, as above
+    ("qk_rmsnorm_whole_fused", lambda: LM(attn=FusedWholeQKNorm),
+     attention_expect(col=ATTN_COL + _in_layers("attn.q_norm.weight", "attn.k_norm.weight"),
+                      fwd_allreduce_per_layer=4, bwd_allreduce_per_layer=3)),
     ("swiglu_linear", lambda: LM(), BASELINE),
     # unit-norm q / k per head: head_dim is whole on every rank, nothing to reduce; sqk, read
     # by q and k through one view, is whole on every rank, its gradient synced in the
@@ -232,6 +236,10 @@ _REGISTRY = [
     ("mlp_normalize_hidden", lambda: LM(mlp=NormalizedSwiGLU),
      mlp_expect(col=MLP_COL + _in_layers("mlp.gain"), fwd_allreduce_per_layer=3,
                 bwd_allreduce_per_layer=3)),
+    # GroupNorm over the hidden channels, whole groups on each rank: nothing reduced
+    ("mlp_group_norm", lambda: LM(mlp=GroupNormMLP),
+     mlp_expect(col=_in_layers("mlp.w1.*", "mlp.norm.*"), row=_in_layers("mlp.w2.weight"),
+                replicated=BASELINE.replicated + _in_layers("mlp.w2.bias"))),
     ("swiglu_fused_gate_up", lambda: LM(mlp=FusedGateUp),
      mlp_expect(col=_in_layers("mlp.gate_up_proj.weight"),  # per gate / up chunk
                 row=_in_layers("mlp.down_proj.weight"))),
@@ -337,6 +345,8 @@ STYLES = {
     "swiglu_raw_params": "SwiGLU on raw Parameters: `x @ w_gate`, `einsum(\"btd,dh->bth\")`",
     "swiglu_cast_weights": "weights cast where they are used (`F.linear(x.double(), self.w1.weight.double())`, torchtitan's `w1.bfloat16()` experts, Hugging Face's float32 router)",
     "mlp_relu_squared": "ReLU² MLP: `square(relu(w1 x))`",
+    "mlp_group_norm": "a UNet / audio-style MLP over channels: `w2(silu(GroupNorm(w1(x).transpose(1, 2))))`, groups of 16 channels",
+    "qk_rmsnorm_whole_fused": "Wan 2.x / LTX (diffusers `rms_norm_across_heads`): `nn.RMSNorm(heads * head_dim)` (ATen's fused `rms_norm`) on q and k",
     "swiglu_fused_gate_up": "one `gate_up_proj` Linear, `chunk(2, -1)`",
     "swiglu_interleaved_gate_up": "gpt-oss: gate and up features alternate, `h[..., ::2]`, `h[..., 1::2]`",
     "linear_subclass_matmul": "a Linear subclass computing `x @ self.weight.T`",

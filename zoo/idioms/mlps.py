@@ -1,5 +1,5 @@
 """MLP idioms: SwiGLU on raw Parameters, fused gate / up weights or weights cast at use, ReLU², normalized hidden
-features, mixtures of experts (a ModuleList loop, stacked weights, torchtitan's loop over stacked
+features, a GroupNorm over channels, mixtures of experts (a ModuleList loop, stacked weights, torchtitan's loop over stacked
 experts, Llama 4's scaled tokens),
 and Gemma's per-layer inputs.
 """
@@ -53,6 +53,21 @@ class NormalizedSwiGLU(SwiGLU):
 
     def forward(self, x):
         return self.w2(F.normalize(F.silu(self.w1(x)) * self.w3(x), dim=-1) * self.gain)
+
+
+class GroupNormMLP(nn.Module):
+    """A UNet / audio-style MLP over channels: ``w2(silu(GroupNorm(w1 x)))`` with the hidden
+    channels first (``(B, C, T)``), normalised in groups of 16 channels. Each rank holds whole
+    groups: its statistics are its own, nothing is reduced."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, hidden), nn.Linear(hidden, D)
+        self.norm = nn.GroupNorm(hidden // 16, hidden)
+
+    def forward(self, x):
+        h = self.norm(self.w1(x).transpose(1, 2))
+        return self.w2(F.silu(h).transpose(1, 2))
 
 
 class FusedGateUp(nn.Module):

@@ -183,6 +183,16 @@ class WholeQKNorm(Attention):
                 self.wv(x).view(B, T, self.n_kv_heads, self.head_dim))
 
 
+class FusedWholeQKNorm(WholeQKNorm):
+    """Wan 2.x / diffusers' Wan attention: ``torch.nn.RMSNorm(heads * head_dim)`` on q and k
+    (ATen's fused ``rms_norm``, not a module of means), planned through its decomposition."""
+
+    def init_projections(self, linear):
+        Attention.init_projections(self, linear)
+        self.q_norm = nn.RMSNorm(self.n_heads * self.head_dim, eps=1e-6)
+        self.k_norm = nn.RMSNorm(self.n_kv_heads * self.head_dim, eps=1e-6)
+
+
 class NormalizedQK(Attention):
     """nGPT / cosine attention (Swin v2, some ViTs): q and k unit-normalised per head with
     ``F.normalize(x, dim=-1)`` (``linalg_vector_norm`` over head_dim), then scaled by nGPT's

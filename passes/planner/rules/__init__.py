@@ -26,7 +26,8 @@ the package imports it:
 - ``indexing``: complex views, ``constant_pad_nd``, advanced indexing, ``stack``
 - ``attention``: ``scaled_dot_product_attention``
 - ``flex_attention``: the ``flex_attention`` higher-order op, its mods given global head indices
-- ``reductions``: sums, means, max / var / topk, softmax, norms, cumulative sums
+- ``reductions``: sums, means, max / var / topk, softmax, vector norms, cumulative sums
+- ``norms``: layer / RMS norms (over a cut feature dim: through means), group norms
 - ``extrema``: ``amax`` / ``amin`` over a cut dim as a max / min partial, and the ops passing it
 - ``views``: shape ops (view, transpose, permute, slice, split, unbind, getitem, cat)
 - ``dim_maps``: where each shape op puts a shard of its input (its rule's ``maps``)
@@ -44,7 +45,7 @@ from tpcompile.passes.planner.rules.table import (
 )
 from tpcompile.passes.planner.rules import (  # each registers its rules into the table
     einsum, pointwise, writes, matmuls, indexing, attention, flex_attention, varlen_attention,
-    reductions, extrema, views, vocabulary,
+    reductions, norms, extrema, views, vocabulary,
 )
 from tpcompile.passes.planner.rules.einsum import einsum_rule
 from tpcompile.passes.planner.rules.matmuls import contraction_flops
@@ -56,4 +57,4 @@ __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "viewed_from", "shard_map", "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul",
            "is_attention", "is_sum", "flops_of", "piece_of", "einsum_rule", "contraction_flops", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
            "value_of_write", "einsum", "pointwise", "writes", "matmuls", "indexing", "attention",
-           "flex_attention", "reductions", "extrema", "views", "vocabulary"]
+           "flex_attention", "reductions", "norms", "extrema", "views", "vocabulary"]

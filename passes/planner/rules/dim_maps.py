@@ -278,10 +278,11 @@ def _unflattened(node, p: Shard):
     """The shard goes to the leading size, or to the second when the leading one is a chunk
     index picked apart later (``nn.MultiheadAttention``'s packed in_proj unflattened to
     (3, embed_dim) and selected: each rank holds its heads of q, k and v), as in ``_map_view``."""
-    dim, sizes = norm_dim(node.args[1], _ndim(node)), list(node.args[2])
+    dim, count = norm_dim(node.args[1], _ndim(node)), len(node.args[2])
     if dim != p.dim:
-        return Shard(p.dim + (len(sizes) - 1) * (p.dim > dim), p.layout)
-    if any(not isinstance(s, int) or s == -1 for s in sizes[1:]):
+        return Shard(p.dim + (count - 1) * (p.dim > dim), p.layout)
+    sizes = list(shape(node)[dim:dim + count])  # a -1 among the sizes resolved
+    if any(not isinstance(s, int) for s in sizes[1:]):
         return None
     inner = math.prod(sizes[1:])
     if len(sizes) > 1 and isinstance(sizes[0], int) and _picked_apart(node, dim):

@@ -1,6 +1,6 @@
-"""Reductions and norms: sums and means (linear: a shard of a reduced dim gives a partial sum),
-vector norms, max / var / topk / sort, ops that read whole dims (softmax, layer / RMS norm,
-cumsum) and histograms."""
+"""Reductions: sums and means (linear: a shard of a reduced dim gives a partial sum), vector
+norms, max / var / topk / sort, ops that read whole dims (softmax, cumsum; layer and RMS norms
+in :mod:`.norms`) and histograms."""
 
 from __future__ import annotations
 
@@ -123,8 +123,8 @@ def _values_and_indices(op):
     return [p, p]
 
 
-def _last_dims_free(count_fn, linear=None):
-    """Ops that read whole dims (softmax or cumsum over dim, layer_norm over normalized_shape);
+def last_dims_free(count_fn, linear=None):
+    """Ops that read whole dims (softmax or cumsum over dim, a norm over normalized_shape);
     ``linear`` as in :func:`einsum_rule` (a cumulative sum is linear)."""
     def propagate(op):
         x = op.node.args[0]
@@ -140,12 +140,10 @@ def _last_dims_free(count_fn, linear=None):
 
 
 register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-         aten._log_softmax.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
-register(aten.layer_norm.default, aten.rms_norm.default)(
-    _last_dims_free(lambda node, n: set(range(n - len(node.args[1]), n))))
-register(aten.cumsum.default)(_last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}, "unary"))
+         aten._log_softmax.default)(last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
+register(aten.cumsum.default)(last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}, "unary"))
 register(aten.logcumsumexp.default)(
-    _last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
+    last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
 
 
 @register(aten.histc.default)
