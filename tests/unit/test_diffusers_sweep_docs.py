@@ -1,6 +1,7 @@
-"""docs/models.md's diffusers summary line is bench/results/diffusers_sweep.json's, recomputed
-from its rows (bench/diffusers_sweep.py's ``summary``), and every class that plans but is not
-at the bound is named there: typed-in counts would drift from the sweep they quote.
+"""The diffusers summary line of docs/models.md and the README is
+bench/results/diffusers_sweep.json's, recomputed from its rows (bench/diffusers_sweep.py's
+``summary``), and every class that plans but is not at the bound is named in docs/models.md:
+typed-in counts would drift from the sweep they quote.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ def _rows() -> list[dict]:
 
 
 def test_docs_summary_line_is_the_results_files():
-    docs = " ".join((ROOT / "docs/models.md").read_text().split())
+    """docs/models.md and the README quote it."""
     results = (ROOT / "bench/results/diffusers_sweep.md").read_text().splitlines()[0]
     line = summary(_rows())
     assert line == results, (line, results)
-    assert line in docs, line
+    for page in ("docs/models.md", "README.md"):
+        assert line in " ".join((ROOT / page).read_text().split()), (page, line)
 
 
 def test_docs_name_every_planned_class_off_the_bound():
