@@ -139,9 +139,10 @@ class Bound:
 
 
 def _roles(mms: list[Matmul], world_size: int, layer: str,
-           unpaid: dict) -> tuple[dict, dict]:
+           unpaid: dict, around: bool = False) -> tuple[dict, dict]:
     """matmul node -> colwise | rowwise | whole, and the reason of each whole one (``unpaid``:
-    the per-sample matmuls kept whole by cost, with theirs)."""
+    the per-sample matmuls kept whole by cost, with theirs; ``around``: the code around a
+    model's repeated blocks, where a norm over a projection's cut features keeps it whole)."""
     role, why = {}, {}
     for m in mms:
         if m.node in unpaid:
@@ -160,7 +161,7 @@ def _roles(mms: list[Matmul], world_size: int, layer: str,
             why[m.up if style == "rowwise" else m.node] = (
                 "the narrow side of a low-rank pair (Megatron splits the wide factor)")
             continue
-        if not layer and style == "colwise" and m.statistics:
+        if around and style == "colwise" and m.statistics:
             role[m.node], why[m.node] = "whole", (
                 "around the blocks, a norm over its output features reads them whole (an LM "
                 "head's transform: Megatron-LM keeps its dense and LayerNorm whole)")
@@ -370,7 +371,8 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
     carriers = grad_carriers(cap.gm, trainable)  # inputs whose gradient anything asks
     for layer, group in by_layer.items():  # "": the code around the blocks, judged as one
         unpaid = _unpaid(cap, group, world_size, chain_cost, carriers, [m.activation for m in mms])
-        role, why = _roles(group, world_size, layer, unpaid)  # a model without blocks: one block
+        # "": around the blocks, or a model without blocks, judged as one block
+        role, why = _roles(group, world_size, layer, unpaid, around=not layer and len(by_layer) > 1)
         for m in group:
             style = role[m.node]
             for w in m.weights:
