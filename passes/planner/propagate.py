@@ -32,7 +32,7 @@ from tpcompile.passes.planner.rules import is_lookup, is_view, piece_of, rule_fo
 log = logging.getLogger(__name__)
 
 __all__ = ["Propagation", "Constraints", "PlanOptions", "propagate", "view_chain", "carrier_chain",
-           "weight_chain", "passes_cut", "value_readers", "local_slice", "same_placement", "visit"]
+           "weight_chain", "passes_cut", "value_readers", "bias_added", "local_slice", "same_placement", "visit"]
 
 SEQUENCE = "<sequence>"  # the root every sequence-parallel activation is cut from
 
@@ -249,7 +249,7 @@ class OpView:
         """``arg`` is, through views, casts and its bias (split off: ``split_bias``), the output
         of the matmul that starts ``layout``'s root: a column-parallel projection read as it
         is, not a sum it joined."""
-        while arg.op == "call_function" and (passes_cut(arg) or _bias_added(arg)):
+        while arg.op == "call_function" and (passes_cut(arg) or bias_added(arg)):
             arg = arg.args[0]
         return any(self._state.roots.get(b) is arg for b in self.specs.bases(layout.root))
 
@@ -343,10 +343,14 @@ def carrier_chain(node: fx.Node) -> list[fx.Node]:
                   value_readers)
 
 
-def _bias_added(node: fx.Node) -> bool:
-    """``y + b`` with ``b`` a stored tensor: a bias ``split_bias`` split off its matmul."""
-    return (node.target is torch.ops.aten.add.Tensor and len(node.args) == 2
-            and isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr")
+def bias_added(node: fx.Node) -> bool:
+    """``y + b`` with ``b`` a stored 1-D tensor: a bias ``split_bias`` split off its matmul
+    (``fuse_bias`` folds it back in)."""
+    if node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+        return False
+    b = node.args[1]
+    return (isinstance(b, fx.Node) and b.op == "get_attr"
+            and isinstance(bias := val(b), torch.Tensor) and bias.dim() == 1)
 
 
 def passes_cut(node: fx.Node) -> bool:

@@ -86,12 +86,13 @@ def _drop_identity_casts(g: fx.Graph, written: fx.Node) -> None:
     """Identity casts between a written view and its base, replaced by what they cast: the
     write lands in the base, as in eager."""
     node = written
-    while node.op == "call_function" and isinstance(node.args[0], fx.Node) and (
-            node.target in SCATTERS or _identity_cast(node)):
-        base = node.args[0]
-        if _identity_cast(node):
+    while node.op == "call_function" and isinstance(node.args[0], fx.Node):
+        base, cast = node.args[0], _identity_cast(node)
+        if cast:
             node.replace_all_uses_with(base)
             g.erase_node(node)
+        elif node.target not in SCATTERS:
+            return
         node = base
 
 
@@ -135,8 +136,8 @@ def functionalize_fresh_writes_pass(gm: fx.GraphModule) -> PassResult:
     changed = False
     for node in list(g.nodes):
         functional = out_of_place(node.target) if node.op == "call_function" else None
-        if functional is not None and len(written_args(node)) == 1:
-            _drop_identity_casts(g, written_args(node)[0])
+        if functional is not None and len(written := written_args(node)) == 1:
+            _drop_identity_casts(g, written[0])
         chain = _written_through(node, fresh | computed) if functional is not None else None
         if chain is None or (len(chain) > 1 and node.users) or not _unobserved(chain, node, order):
             continue

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from tpcompile.passes.planner.propagate import bias_added
+
 aten = torch.ops.aten
 
 __all__ = ["fuse_bias_pass"]
@@ -20,14 +22,10 @@ def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """``linear(x, W) + b`` -> ``linear(x, W, b)`` where the sum directly follows the matmul."""
     g = gm.graph
     for node in list(g.nodes):
-        if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+        if not bias_added(node):
             continue
         mm, b = node.args
-        if not (isinstance(mm, fx.Node) and isinstance(b, fx.Node) and len(mm.users) == 1
-                and b.op == "get_attr"):
-            continue
-        bias_val = b.meta.get("val")
-        if not (isinstance(bias_val, torch.Tensor) and bias_val.dim() == 1):
+        if not (isinstance(mm, fx.Node) and len(mm.users) == 1):
             continue
         if mm.target is aten.linear.default and len(mm.args) == 2:
             mm.args = (mm.args[0], mm.args[1], b)
