@@ -4,10 +4,11 @@
                                               # and the idiom table of docs/models.md
     python -m bench.idioms --only alibi --world-sizes 2 --json /tmp/alibi.json
 
-Plans come from ``tpcompile.explain``, with no process group. Per idiom and world size:
+Plans come from ``tpcompile.explain``'s report, with no process group; the other ranks' graphs
+are rewritten from the same capture and plan. Per idiom and world size:
 
 * *status*: ``ok``, ``ok (static shapes)`` when capture fell back to the example's sizes, or the
-  error's type and first line (every rank's graph is rewritten: the report shows rank 0's);
+  error's type and first line (every rank's graph is rewritten; the report shows rank 0's);
 * *params / rank*: the largest rank's trainable parameter bytes against the ideal
   ``sharded / N + replicated``, where *sharded* is what the idiom's ``Expect`` says a Megatron
   plan cuts (``bench/memory.py``'s ``ideal_split`` with those globs, not the plan's own styles);
@@ -46,6 +47,8 @@ import torch
 
 import tpcompile
 from bench.memory import ideal_split
+from tpcompile.inspect.explain.explain import report_of
+from tpcompile.inspect.trace import rewrite_rank, trace_rewrite
 from tpcompile.tools.launch import run_on_ranks
 from zoo import idioms
 
@@ -80,7 +83,8 @@ def measure(name: str, world_size: int) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = tpcompile.explain(model, inputs, world_size)
+            trace = trace_rewrite(model, inputs, world_size, copy_weights=False)
+            report = report_of(trace, model, inputs)
     except Exception as e:  # noqa: BLE001 - an idiom tpcompile cannot plan is a measurement
         return {**row, "status": _first_line(e), "seconds": time.perf_counter() - start}
     static = any("accepts only" in str(w.message) for w in caught)
@@ -89,7 +93,8 @@ def measure(name: str, world_size: int) -> dict:
     actual = max(report.param_bytes_per_rank)
     layers = [m for m in report.megatron if m.layer]
     outside = [m for m in report.megatron if not m.layer]
-    wrong = {}
+    wrong = {f"{_fold(fqn)}: not planned": "" for fqn, _ in model.named_parameters()
+             if fqn not in report.params}
     for fqn, p in report.params.items():
         want = expect.style(fqn) if p.trainable else "replicate"
         if p.style != want:
@@ -102,11 +107,11 @@ def measure(name: str, world_size: int) -> dict:
     fallbacks = Counter(f"{_fold(f['module']) or 'top level'}: {f['reason']}"
                         for f in report.fallbacks)
     status = "ok (static shapes)" if static else "ok"
-    for rank in range(1, world_size):  # the report rewrites rank 0's graph only
-        try:
+    for rank in range(1, world_size):  # the report is of rank 0's graph; each rank's rewrite
+        try:                           # runs (from the same plan: captured once)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                tpcompile.explain(model, inputs, world_size, rank=rank)
+                rewrite_rank(trace, rank)
         except Exception as e:  # noqa: BLE001
             status = f"rank {rank}: {_first_line(e)}"
             break

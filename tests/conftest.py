@@ -13,6 +13,12 @@ try:
 except ModuleNotFoundError as e:  # pragma: no cover
     raise SystemExit("tpcompile is not installed: run `pip install -e '.[test]'` first") from e
 
+from tpcompile.tools.launch import preload  # noqa: E402
+
+# gloo ranks fork from a server that imported these once (a missing one is skipped there): a
+# rank of a Hugging Face test no longer spends a second and a half importing transformers
+preload("transformers", "peft")
+
 # what the test extra installs that some test would skip without
 REQUIRED = ("hypothesis", "expecttest", "transformers", "peft", "safetensors", "torchao",
             "diffusers", "torch.testing._internal.common_methods_invocations")

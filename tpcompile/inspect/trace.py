@@ -99,6 +99,12 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     return RewriteTrace(name, cap, plan, gm, rank, stages, relocalized, chains, chain_of, bound)
 
 
+def rewrite_rank(trace: RewriteTrace, rank: int, group_name: str = "tp") -> fx.GraphModule:
+    """Rank ``rank``'s rewritten graph from ``trace``'s plan, captured and planned once: what
+    differs between ranks (uneven shards' sizes and offsets) without a capture per rank."""
+    planned = pipeline.Planned(trace.cap, trace.plan)
+    return pipeline.rewrite(planned, rank, group_name, skip=("materialize_params",))[0]
+
 def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
     """The captured node behind a node a pass inserted (a collective's input chain)."""
     while node.name not in known and node.op == "call_function" and node.args:

@@ -3,9 +3,10 @@
 Production jobs use ``torchrun``; this exists so that ``tpcompile demo`` and the tests need no
 launcher knowledge. Ranks rendezvous through a temporary file (no port races), run with one
 intra-op thread each (the CI machine has 2 cores), and every rank's return value or traceback
-comes back to the caller. Ranks fork from a server process that imported torch once (the
-``forkserver`` start method), which saves each launch seconds of imports per rank; they get
-the caller's environment as it is at the launch, as spawned processes would. A rank that
+comes back to the caller. Ranks fork from a server process that imported torch and tpcompile
+once (the ``forkserver`` start method; :func:`preload` adds modules), which saves each rank of
+each launch two seconds of imports; they get the caller's environment as it is at the launch,
+as spawned processes would (the server restarts when a variable read at import changed). A rank that
 hangs is killed after ``timeout`` seconds and reported, never waited on forever.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import multiprocessing as mp
+import re
+from multiprocessing import forkserver
 import os
 import pickle
 import queue
@@ -23,7 +26,7 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["run_on_ranks", "RankError"]
+__all__ = ["run_on_ranks", "preload", "RankError"]
 
 
 class RankError(RuntimeError):
@@ -64,11 +67,34 @@ def _child(rank, world_size, store_path, target, args, results, timeout, env):
         results.put((rank, False, traceback.format_exc()))
 
 
+# what the fork server imports once, so that no rank imports it again: torch, and tpcompile
+# itself (``_child`` lives here; tpcompile imports torch._dynamo and inductor, ~2 s a rank)
+PRELOAD = ["torch", "torch.distributed", "tpcompile.tools.launch"]
+# variables read when those modules are imported (inductor's compile_threads, TORCH_LOGS,
+# Hugging Face's offline switches, ...): a rank forked from a server that imported them under
+# other values would not see the caller's
+_READ_AT_IMPORT = re.compile(r"^(PYTORCH|TORCH|OMP_|MKL_|KMP_|HF_|TRANSFORMERS)")
+_server: dict = {}  # the running fork server's preload list and those variables
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (the test suite's: transformers, ~2 s a
+    rank a launch otherwise); a server already running restarts at the next launch."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
 def _context(fresh_interpreter: bool):
+    """spawn, or the fork server: restarted when what it imported or the variables read then
+    changed since it started."""
     if fresh_interpreter:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    now = {"preload": list(PRELOAD),
+           "env": {k: v for k, v in os.environ.items() if _READ_AT_IMPORT.match(k)}}
+    if _server and _server != now:
+        forkserver._forkserver._stop()  # the next launch starts one that imports under `now`
+    _server.update(now)
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

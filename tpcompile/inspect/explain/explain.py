@@ -233,12 +233,19 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
     trace = trace_rewrite(model, example_inputs, world_size, rank, copy_weights=False,
                           progress=progress, dynamic=dynamic, example_kwargs=example_kwargs,
                           options=PlanOptions(**options), reuse_blocks=reuse_blocks)
+    report = report_of(trace, model, example_inputs, example_kwargs, activation_checkpointing)
+    return page(report, block_view(report, trace)) if html else report
+
+
+def report_of(trace: RewriteTrace, model: nn.Module, example_inputs, example_kwargs=None,
+              activation_checkpointing: str | None = None) -> Report:
+    """:func:`explain`'s report of a trace (``bench.idioms`` reuses the trace for every rank)."""
     collectives = list_collectives(trace, recomputed_calls(trace.gm, activation_checkpointing))
     per_rank, total = param_bytes(trace)
     styles, missing = dtensor_styles(trace, model)
     regions = _checkpointing(trace, activation_checkpointing)
-    report = Report(
-        model=trace.model_name, world_size=world_size, rank=rank,
+    return Report(
+        model=trace.model_name, world_size=trace.plan.world_size, rank=trace.rank,
         inputs=[{"shape": list(s), "dtype": dtype_name(d)} for s, d in trace.cap.input_specs],
         params=_params(trace),
         chains={c.name: {"layer": c.layer, "colwise": list(c.colwise), "rowwise": list(c.rowwise),
@@ -252,5 +259,4 @@ def explain(model: nn.Module, example_inputs, world_size: int, *, rank: int = 0,
         checkpointing=regions, notes=_notes(trace, activation_checkpointing, regions),
         experts=dict(trace.plan.experts), param_bytes_ideal=trace.bound.ideal_bytes,
         expert_load=expert_loads(model, example_inputs, example_kwargs, trace.cap.gm,
-                                 world_size) if trace.plan.experts else {})
-    return page(report, block_view(report, trace)) if html else report
+                                 trace.plan.world_size) if trace.plan.experts else {})
