@@ -92,6 +92,16 @@ def test_unknown_op_is_gathered_visibly(results, ws, name):
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_frames_flipped_in_time_stay_cut_by_heads(results, ws):
+    """``flip`` over the frames with the heads cut (SANA-WM): Megatron's plan, no gather (the
+    input is data: no input gradient to sum in backward)."""
+    c = cases(results, ws, "attention_backward_in_time")[0]
+    assert [c["styles"][f"{p}.weight"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert not c["fallbacks"], c["fallbacks"]
+    assert c["collectives"] == {"forward": {"all_reduce": 1}, "backward": {}}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_groups_repeated_to_heads_stay_cut(results, ws):
     """repeat_interleave(..., output_size=heads) on a groups shard: the projections stay column
     -> row (its numerics: the tests above; a global output_size made the ranks raise)."""

@@ -168,6 +168,26 @@ class RotaryWrittenIntoSlice(nn.Module):
         return x + self.o(y.transpose(1, 2).flatten(2))
 
 
+
+class AttentionBackwardInTime(nn.Module):
+    """SANA-WM's bidirectional pass: attention over the frames as given and again over the
+    frames flipped in time (``torch.flip(q, dims=[2])``), the second flipped back and added."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        # no biases: k's gradient is zero in exact arithmetic (softmax ignores a shift shared
+        # by every key), and AdamW's steps would magnify its rounding
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(2, (self.heads, -1)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        back = sdpa(*(torch.flip(t, dims=[2]) for t in (q, k, v)), is_causal=True)
+        y = sdpa(q, k, v, is_causal=True) + torch.flip(back, dims=[2])
+        return x + self.o(y.transpose(1, 2).flatten(2))
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -187,6 +207,7 @@ CASES = {
     "fresh_buffer_copy": (FreshBufferKeys, {}),
     "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),
     "rotary_written_into_slice": (RotaryWrittenIntoSlice, {}),
+    "attention_backward_in_time": (AttentionBackwardInTime, {}),
 }
 
 

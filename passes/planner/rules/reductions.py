@@ -1,6 +1,6 @@
 """Reductions: sums and means (linear: a shard of a reduced dim gives a partial sum), vector
-norms, max / var / topk / sort, ops that read whole dims (softmax, cumsum; layer and RMS norms
-in :mod:`.norms`) and histograms."""
+norms, max / var / topk / sort, ops that read whole dims (softmax, cumsum, flip; layer and RMS
+norms in :mod:`.norms`) and histograms."""
 
 from __future__ import annotations
 
@@ -144,6 +144,11 @@ register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
 register(aten.cumsum.default)(last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}, "unary"))
 register(aten.logcumsumexp.default)(
     last_dims_free(lambda node, n: {norm_dim(node.args[1], n)}))
+# flip(x, dims): each flipped dim is read whole (its last element lands first); a permutation,
+# so a partial sum stays one (SANA-WM runs its causal conv and attention backwards in time on
+# flipped frames, heads cut)
+register(aten.flip.default)(
+    last_dims_free(lambda node, n: {norm_dim(d, n) for d in node.args[1]}, "unary"))
 
 
 @register(aten.histc.default)
