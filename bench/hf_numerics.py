@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from bench.hf_configs import build, example_ids, first_line
 
@@ -25,7 +26,7 @@ def _numerics_rank(rank: int, world_size: int, name: str, mode: str,
 
     torch.set_num_threads(1)
     if double:
-        _keep_float64_through_float32_casts()
+        keep_float64_through_float32_casts()
     model, ids = build(name, mode), example_ids()
     with torch.no_grad():  # the call `_measure` makes before planning: BigBird picks its
         model(ids)         # attention for the sequence length there, assigning modules
@@ -42,7 +43,7 @@ def _numerics_rank(rank: int, world_size: int, name: str, mode: str,
     return {"output_err": c.output_err, "max_grad_err": worst[1], "worst_grad": worst[0]}
 
 
-def _keep_float64_through_float32_casts() -> None:
+def keep_float64_through_float32_casts() -> None:
     """Make the model's hard-coded float32 casts keep float64 tensors float64 (this rank only).
 
     Some families cast to float32 inside the block whatever the model's dtype (Gemma 4:
@@ -66,25 +67,40 @@ def _keep_float64_through_float32_casts() -> None:
 
 
 def run_numerics(name: str, mode: str) -> dict:
-    """Logits and every gradient on 2 gloo ranks against the unsharded model, in float32.
+    """Logits and every gradient on 2 gloo ranks against the unsharded model, in float32, and
+    a float32 miss again in float64 (:func:`float64_retry`)."""
+    return float64_retry(lambda double: _numerics_on_ranks(name, mode, double),
+                         lambda: float32_rounding(build(name, mode), (example_ids(),)))
 
-    A float32 miss is run again in float64: a plan that is exact there (<= 1e-10) differs only
-    in float32 rounding, which some models amplify beyond the 1e-5 bar (CpmAnt: its unsharded
-    float32 gradients are 9e-5 off its own float64 ones). The row keeps both numbers and the
-    unsharded model's float32-vs-float64 error as the yardstick. In the float64 run the model's
-    own float32 casts keep float64 (``_keep_float64_through_float32_casts``)."""
-    result = _numerics_on_ranks(name, mode)
+
+def float64_retry(run: Callable[[bool], dict], rounding: Callable[[], float]) -> dict:
+    """``run(False)``'s float32 errors, and for a miss ``run(True)``'s in float64.
+
+    A plan that is exact in float64 (<= 1e-10) differs only in float32 rounding, which some
+    models amplify beyond the 1e-5 bar (CpmAnt: its unsharded float32 gradients are 9e-5 off
+    its own float64 ones; a UNet's conv biases sum a whole feature map). The row keeps both
+    numbers and ``rounding()``, the unsharded model's float32-vs-float64 error, as the
+    yardstick. In the float64 run the model's own float32 casts keep float64
+    (``keep_float64_through_float32_casts``)."""
+    result = run(False)
     if "error" in result or result["exact"]:
         return result
-    again = _numerics_on_ranks(name, mode, double=True)
+    again = run(True)
     if "error" in again:
         return result
-    return {**result, "float64_grad_err": again["max_grad_err"],
-            "float32_rounding": _float32_rounding(name, mode),
+    return {**result, "float64_grad_err": again["max_grad_err"], "float32_rounding": rounding(),
             "exact": max(again["output_err"], again["max_grad_err"]) <= DOUBLE_TOLERANCE}
 
 
-def _float32_rounding(name: str, mode: str) -> float:
+def as_dtype(inputs: tuple, dtype) -> tuple:
+    """``inputs`` with their floating-point tensors in ``dtype`` (token ids stay integers)."""
+    import torch
+
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                 for x in inputs)
+
+
+def float32_rounding(model, inputs: tuple) -> float:
     """The unsharded model's own float32 gradients against its float64 ones (same measure)."""
     import copy
 
@@ -92,11 +108,9 @@ def _float32_rounding(name: str, mode: str) -> float:
 
     from tpcompile.tools.numerics import _loss, grad_errors
 
-    model, ids = build(name, mode), example_ids()
-
     def grads(dtype):
         m = copy.deepcopy(model).to(dtype)
-        _loss(m(ids)).backward()
+        _loss(m(*as_dtype(inputs, dtype))).backward()
         return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
     return max(grad_errors(grads(torch.float32), grads(torch.float64)).values())
