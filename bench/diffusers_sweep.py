@@ -65,8 +65,12 @@ def run_numerics(name: str) -> dict:
     """The output and every gradient on 2 gloo ranks against the unsharded model, float32; a
     miss again in float64 (``hf_numerics.float64_retry``)."""
     body = f"{Path(__file__).resolve()}:_numerics_rank"
-    return float64_retry(lambda double: on_ranks(body, name, double),
-                         lambda: float32_rounding(build(name), build(name).inputs))
+    return float64_retry(lambda double: on_ranks(body, name, double), lambda: _rounding(name))
+
+
+def _rounding(name: str) -> float:
+    model = build(name)  # one build: its inputs are the model's own
+    return float32_rounding(model, model.inputs)
 
 
 def measure(name: str, numerics: bool) -> dict:

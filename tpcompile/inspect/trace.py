@@ -105,6 +105,7 @@ def rewrite_rank(trace: RewriteTrace, rank: int, group_name: str = "tp") -> fx.G
     planned = pipeline.Planned(trace.cap, trace.plan)
     return pipeline.rewrite(planned, rank, group_name, skip=("materialize_params",))[0]
 
+
 def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:
     """The captured node behind a node a pass inserted (a collective's input chain)."""
     while node.name not in known and node.op == "call_function" and node.args:

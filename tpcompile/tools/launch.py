@@ -6,8 +6,8 @@ intra-op thread each (the CI machine has 2 cores), and every rank's return value
 comes back to the caller. Ranks fork from a server process that imported torch and tpcompile
 once (the ``forkserver`` start method; :func:`preload` adds modules), which saves each rank of
 each launch two seconds of imports; they get the caller's environment as it is at the launch,
-as spawned processes would (the server restarts when a variable read at import changed). A rank that
-hangs is killed after ``timeout`` seconds and reported, never waited on forever.
+as spawned processes would (the server restarts when a variable read at import changed). A
+rank that hangs is killed after ``timeout`` seconds and reported, never waited on forever.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import multiprocessing as mp
-import re
-from multiprocessing import forkserver
 import os
 import pickle
 import queue
+import re
 import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver
 
 __all__ = ["run_on_ranks", "preload", "RankError"]
 
