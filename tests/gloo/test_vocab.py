@@ -68,6 +68,13 @@ def test_dropout(ws):
         # dropout ops on sharded tensors draw the whole mask: exactly the unsharded model
         assert explicit["output_err"] <= 1e-5 and explicit["grad_err"] <= 1e-5
         assert explicit["replicas_equal"] and explicit["rng_equal"]
+        # a partial sum passes through dropout (one mask on every rank) to the residual sum:
+        # one forward all-reduce per parallel block, not one per branch
+        parallel = r["parallel_block"]
+        assert parallel["output_err"] <= 1e-5 and parallel["grad_err"] <= 1e-5
+        assert parallel["replicas_equal"] and parallel["rng_equal"]
+        one_per_layer = {"all_reduce": 2}  # two layers
+        assert parallel["collectives"] == {"forward": one_per_layer, "backward": one_per_layer}
         # SDPA's own dropout uses per-rank generators: replicas and the default RNG agree,
         # and dropout did happen (the output differs from the reference's random draw)
         assert sdpa["replicas_equal"] and sdpa["rng_equal"]

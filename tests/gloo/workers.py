@@ -366,16 +366,35 @@ def vocab(rank: int, world_size: int, names: list[str]) -> dict:
     return out
 
 
+def _dropout_models():
+    """GPT-2 with explicit dropout, with SDPA's own, and a GPT-J-style parallel block whose
+    partial sums pass through their dropouts (zoo.idioms ``parallel_block_dropped_out``)."""
+    from functools import partial
+
+    from zoo import idioms
+    from zoo.idioms.blocks import ParallelDroppedOut
+    from zoo.idioms.diffusion import GeluMLP
+    from zoo.idioms.skeleton import LM
+
+    for sdpa in (False, True):
+        model = models.build("gpt2", dropout=0.1, sdpa=sdpa, vocab=97)
+        yield "sdpa" if sdpa else "explicit", model, models.example_inputs(model)
+    torch.manual_seed(0)
+    model = LM(mlp=GeluMLP, block=partial(ParallelDroppedOut, p=0.1))
+    yield "parallel_block", model, idioms.example_inputs()
+
+
 def dropout(rank: int, world_size: int) -> dict:
-    """Train-mode dropout: explicit dropout is exactly the unsharded model's (same seed);
-    SDPA's internal dropout keeps replicas and the default generator consistent."""
+    """Train-mode dropout: explicit dropout is exactly the unsharded model's (same seed), a
+    partial sum's too; SDPA's internal dropout keeps replicas and the default generator
+    consistent."""
     import copy
     import torch.distributed as dist
+    from tpcompile.runtime.collectives import count_collectives
 
     out = {}
-    for sdpa in (False, True):
-        model = models.build("gpt2", dropout=0.1, sdpa=sdpa, vocab=97).train()
-        x = models.example_inputs(model)
+    for name, model, x in _dropout_models():
+        model.train()
         tp = tpcompile.parallelize(model, x)
         ref = copy.deepcopy(model)
         torch.manual_seed(123)
@@ -390,7 +409,8 @@ def dropout(rank: int, world_size: int) -> dict:
         dist.all_gather(outs, o.detach().contiguous())
         states = [torch.empty_like(state) for _ in range(world_size)]
         dist.all_gather(states, state)
-        out["sdpa" if sdpa else "explicit"] = {
+        out[name] = {
+            "collectives": count_collectives(tp.graph_module),
             "output_err": rel_err(o, o_ref),
             "grad_err": max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters()),
             "replicas_equal": all(torch.equal(outs[0], t) for t in outs),

@@ -38,8 +38,8 @@ from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedM
 from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
                                   PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
                                   SelectiveScan, SqueezedMQA)
-from zoo.idioms.blocks import ParallelResidualFirst
-from zoo.idioms.diffusion import DiT, SingleStreamDiT, dit_inputs
+from zoo.idioms.blocks import ParallelDroppedOut, ParallelResidualFirst
+from zoo.idioms.diffusion import DiT, GeluMLP, SingleStreamDiT, dit_inputs
 from zoo.idioms.mlps import (CastWeightsSwiGLU, EinsumMoE, FusedGateUp, GroupedExpertsLoop,
                              IndexPutMoE, InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU,
                              PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE,
@@ -289,6 +289,15 @@ _REGISTRY = [
      Expect(colwise=BASELINE.colwise, rowwise=BASELINE.rowwise,
             replicated=("embed.weight", "head.weight", "norm.weight", "layers.*.norm.weight"),
             fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
+    # each branch dropped out before the sum, the MLP's output bias inside it: both partial
+    # sums carried through their dropouts (one mask, drawn alike on every rank): ONE forward
+    # all-reduce, ONE backward
+    ("parallel_block_dropped_out", lambda: LM(mlp=GeluMLP, block=ParallelDroppedOut),
+     Expect(colwise=ATTN_COL + _in_layers("mlp.fc1.weight", "mlp.fc1.bias"),
+            rowwise=ATTN_ROW + _in_layers("mlp.fc2.weight"),
+            replicated=("embed.weight", "head.weight", "norm.weight", "layers.*.norm.*",
+                        "layers.*.mlp.fc2.bias"),
+            fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
     # a hand plan of a DiT: attention heads and the MLP cut, one all-reduce each per block
     # forward and backward; the conditioning (each block's timestep embedder, which the final
     # layer calls again, and its adaLN modulation) on one row per sample kept whole by cost,
@@ -360,6 +369,7 @@ STYLES = {
     "sdpa_padding_mask": "HF-style `(B, 1, T, T)` boolean padding + causal mask into SDPA",
     "mqa_sdpa_broadcast": "Falcon: 1 kv head broadcast inside SDPA",
     "parallel_block_residual_first": "Cohere / litgpt `parallel_residual`: one norm, `x + attn(ln(x)) + mlp(ln(x))` with the residual added first",
+    "parallel_block_dropped_out": "GPT-J / CodeGen / GPT-NeoX / Phi: one norm, `dropout(attn(h)) + dropout(mlp(h)) + x`, the MLP's biases",
     "dit_adaln_zero": "diffusers DiT (`ada_norm_zero`): Conv2d patch embed, a timestep embedder MLP per block (the final layer calls block 0's again), `Linear(D, 6D)` adaLN-Zero modulation, `proj_out_1` / `proj_out_2`",
     "dit_single_stream": "diffusers Flux `FluxSingleTransformerBlock`: adaLN-single `Linear(D, 3D)`, attention (per-head q / k RMSNorm, no `to_out`) and a GELU MLP side by side, ONE `proj_out` over `cat([attn, mlp], -1)`",
 }

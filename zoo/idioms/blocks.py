@@ -27,3 +27,21 @@ class ParallelResidualFirst(nn.Module):
         residual = x
         h = self.norm(x)
         return residual + self.attn(h, *extra) + self.mlp(h)
+
+
+class ParallelDroppedOut(nn.Module):
+    """GPT-J (``GPTJBlock``), CodeGen, GPT-NeoX's ``use_parallel_residual`` and Phi: attention
+    and the MLP read one normed input side by side, each output goes through its own dropout
+    (the MLP's output bias added before it), then both are added to the residual:
+    ``dropout(attn(h)) + dropout(mlp(h)) + x``. Their released configs drop nothing
+    (``resid_pdrop=0.0``), and train-mode export keeps the op all the same."""
+
+    def __init__(self, attn, mlp, p: float = 0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.attn, self.mlp = attn(), mlp()
+        self.attn_drop, self.mlp_drop = nn.Dropout(p), nn.Dropout(p)
+
+    def forward(self, x, *extra):
+        h = self.norm(x)
+        return self.attn_drop(self.attn(h, *extra)) + self.mlp_drop(self.mlp(h)) + x

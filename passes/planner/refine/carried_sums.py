@@ -22,6 +22,10 @@ That all-reduce is taken where the tree ends (the top is reduced early, for ever
 does not add it into a sum of its own): carried on through the ops linear in it (Cohere's
 LayerNorm casts it and subtracts its mean before it squares), the partial sum would reach
 a norm's statistics and make the next block's chains pay for it.
+GPT-J, CodeGen, GPT-NeoX and Phi drop each branch out before the sum
+(``dropout(attn(h)) + dropout(mlp(h)) + x``, the MLP's bias added first): the tree reaches
+through the ops that pass a sum on (rule field ``scales``: dropout, whose mask every rank
+draws alike, floating casts, products with a number) to the sums below them.
 A tree with one partial sum (Llama's sequential ``x + attn(norm(x))``) saves nothing and is
 left as it is; so is a partial sum that another reader reduces anyway (it costs its
 all-reduce either way). The replicated value itself is untouched for its other readers (its
@@ -49,7 +53,7 @@ from tpcompile.passes.planner.dims import val
 from tpcompile.passes.planner.propagate import Constraints, Propagation
 from tpcompile.passes.planner.reads import consumed
 from tpcompile.passes.planner.refine.decision import Decision
-from tpcompile.passes.planner.rules import is_sum
+from tpcompile.passes.planner.rules import is_sum, scales
 
 __all__ = ["carried_sums"]
 
@@ -84,8 +88,9 @@ def _readers(node: fx.Node) -> list[fx.Node]:
 
 
 def _operands(node: fx.Node) -> list:
-    """The operands a sum adds (``alpha`` and other keywords are no summands)."""
-    return list(node.args[:2])
+    """The operands a sum adds (``alpha`` and other keywords are no summands), or the one a
+    scaling op passes on."""
+    return list(node.args[:2]) if is_sum(node) else list(node.args[:1])
 
 
 def _floating(node) -> bool:
@@ -105,12 +110,23 @@ def _summable(state: Propagation, node: fx.Node) -> bool:
                for a in operands + [node])
 
 
+def _passes(state: Propagation, node: fx.Node) -> bool:
+    """An op that passes a carried sum on (its rule ``scales``: dropout, a floating cast),
+    floating and replicated or partial as it is made."""
+    return (node.op == "call_function" and scales(node) and _floating(node)
+            and isinstance(state.placements.get(node), (Partial, Replicate)))
+
+
 def _in_tree(state: Propagation, node: fx.Node) -> bool:
-    """``node`` is a sum read by exactly one op, itself a sum of the tree: an inner node."""
+    """``node`` is a sum, or an op that passes one on, read by exactly one op, itself a sum of
+    the tree or an op passing it on to one: an inner node."""
     readers = _readers(node)
-    return (_summable(state, node) and len(readers) == 1
-            and readers[0].op == "call_function" and _summable(state, readers[0])
-            and node in _operands(readers[0]))
+    if not (_summable(state, node) or _passes(state, node)) or len(readers) != 1:
+        return False
+    reader = readers[0]
+    if reader.op != "call_function" or node not in _operands(reader):
+        return False
+    return _summable(state, reader) or _in_tree(state, reader)
 
 
 def _tree(state: Propagation, top: fx.Node) -> list[fx.Node]:
@@ -151,5 +167,7 @@ def _saved(state: Propagation, tree: list[fx.Node], carried: set[str]) -> int:
 
 def _replicated_operands(state: Propagation, node: fx.Node) -> list[fx.Node]:
     """The operands of a sum that are replicated as they are made (a partial sum another
-    reader reduces early is not: the carried rule reads it partial)."""
-    return [a for a in _operands(node) if isinstance(state.placements.get(a), Replicate)]
+    reader reduces early is not: the carried rule reads it partial); none for an op that
+    passes a sum on."""
+    return [a for a in _operands(node) if is_sum(node)
+            and isinstance(state.placements.get(a), Replicate)]

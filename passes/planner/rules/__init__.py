@@ -40,8 +40,8 @@ table's users as they ask :func:`is_param_matmul`.
 
 from tpcompile.passes.planner.rules.table import (
     RULES, TAGGED, Rule, flops_of, is_grouped_matmul, is_lookup, is_param_matmul, is_attention,
-    is_sum, is_view, piece_of, register, rule_for, rule_for_target, shard_map, viewed_from,
-    weight_out_first,
+    is_sum, is_view, piece_of, register, rule_for, rule_for_target, scales, shard_map,
+    viewed_from, weight_out_first,
 )
 from tpcompile.passes.planner.rules import (  # each registers its rules into the table
     einsum, pointwise, writes, matmuls, indexing, attention, flex_attention, varlen_attention,
@@ -55,6 +55,6 @@ from tpcompile.passes.planner.rules.writes import (
 
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target", "is_view",
            "viewed_from", "shard_map", "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul",
-           "is_attention", "is_sum", "flops_of", "piece_of", "einsum_rule", "contraction_flops", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
+           "is_attention", "is_sum", "scales", "flops_of", "piece_of", "einsum_rule", "contraction_flops", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
            "value_of_write", "einsum", "pointwise", "writes", "matmuls", "indexing", "attention",
            "flex_attention", "reductions", "norms", "extrema", "views", "vocabulary"]

@@ -70,13 +70,13 @@ POINTWISE = [
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar,
     aten.logical_not.default, aten.clamp.default,
 ]
-register(*UNARY_LINEAR, elementwise=True)(pointwise_rule("unary"))
+register(*UNARY_LINEAR, elementwise=True, scales=True)(pointwise_rule("unary"))
 # rule_for_target: any other op torch tags pointwise (and not random)
 TAGGED[torch.Tag.pointwise] = Rule(pointwise_rule(None), elementwise=True)
 
 
 @register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
-          elementwise=True)
+          elementwise=True, scales=True)
 def _cast(op):
     """A cast is linear into a floating (or complex) dtype; into integers or bool it rounds,
     so a partial sum is reduced first. Only ``args[0]`` is data (``type_as``'s other operand
@@ -96,7 +96,7 @@ def _localize_dropout(node, local):
             x, prob, train, p.dim, p.layout.size, list(local.specs.ranges(p.layout)[local.rank])))
 
 
-register(aten.dropout.default, localize=_localize_dropout)(pointwise_rule("unary"))
+register(aten.dropout.default, localize=_localize_dropout, scales=True)(pointwise_rule("unary"))
 register(*POINTWISE, elementwise=True)(pointwise_rule(None))
 # bit twiddling of integer tensors (unpacking quantized weights); torch tags some of them
 # pointwise, not the ``&`` / ``|`` ones

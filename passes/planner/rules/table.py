@@ -22,7 +22,8 @@ from tpcompile.passes.planner.rules.einsum import tensor_args
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target",
            "is_view", "viewed_from", "shard_map",
            "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul", "is_attention",
-           "flops_of", "piece_of", "ZERO_FILLED", "zero_filled", "is_sum"]
+           "flops_of", "piece_of", "ZERO_FILLED", "zero_filled", "is_sum",
+           "scales"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class Rule:
     - ``extremal``: it reads a max / min partial (``Partial("max")``) as it is, passing it on
       where the max commutes with the op (:mod:`.extrema`); every other rule reads such a
       partial all-reduced first.
+    - ``scales``: its output is its one data operand times numbers every rank shares (a
+      clone, a floating cast, a product with a number; dropout, whose mask every rank draws
+      alike: :mod:`tpcompile.runtime.rng`): a carried sum passes through it into the next
+      sum of its tree (GPT-J's ``dropout(fc_out(h)) + dropout(attn(h)) + x``).
     """
     propagate: Callable
     localize: Callable | None = None
@@ -83,6 +88,7 @@ class Rule:
     keeps_zeros: bool = False
     sums: bool = False
     extremal: bool = False
+    scales: bool = False
 
 
 RULES: dict = {}
@@ -193,6 +199,11 @@ def weight_out_first(node: fx.Node) -> bool:
 def is_sum(node: fx.Node) -> bool:
     """Its output is the sum of its tensor operands (``sums``: ``add``, ``sub``)."""
     return bool(_fact(node, "sums"))
+
+
+def scales(node: fx.Node) -> bool:
+    """Its output is its first operand scaled by numbers every rank shares (``scales``)."""
+    return bool(_fact(node, "scales"))
 
 
 def is_grouped_matmul(node: fx.Node) -> bool:

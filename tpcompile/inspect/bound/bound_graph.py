@@ -37,7 +37,7 @@ _SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, a
          aten.div.Tensor,
          aten.neg.default, aten.index.Tensor, aten.index_add.default, aten.index_put.default,
          aten.scatter_add.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
-         aten.sum.dim_IntList}
+         aten.sum.dim_IntList, aten.dropout.default}
 # ops that join partial sums into one (each expert's rows of a looped MoE's output): still a sum
 _JOINS = {aten.cat.default, aten.vstack.default, aten.hstack.default}
 # ops that cut a value into pieces (a split's pieces are its getitems)
