@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -97,3 +98,39 @@ def test_a_named_tuple_input_is_captured_with_its_dims_dynamic():
     wider = Lengths(torch.arange(5.0), torch.full((2, 5, 1), 2.0))
     assert torch.allclose(cap.gm(torch.ones(2, 5, 4), lengths=wider),
                           model(torch.ones(2, 5, 4), wider))
+
+
+class CachedTable(nn.Module):
+    """A rotary-style table built by a ``functools.lru_cache`` method keyed by a size, as
+    diffusers' NucleusMoE and Qwen-Image build theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freqs", torch.randn(32, 4))
+
+    @functools.lru_cache(maxsize=8)
+    def table(self, n: int) -> torch.Tensor:
+        return self.freqs[:n].clone()
+
+
+class ScaledByTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rope, self.lin = CachedTable(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.rope.table(8)
+
+
+def test_a_method_cache_is_traced_and_left_empty():
+    """The table is traced into the graph, not read from a cache a traced call filled: a
+    second capture of the model (explain, then parallelize) used to find a fake tensor among
+    its constants, and the model's own next call got a fake tensor back."""
+    model, x = ScaledByTable(), torch.randn(2, 8, 4)
+    want = model.lin(x) * model.rope.freqs[:8]
+    for _ in range(2):
+        cap = capture(model, (x,))
+        assert CachedTable.table.cache_info().currsize == 0
+        assert torch.equal(cap.gm(x), want)
+    assert torch.equal(model(x), want)  # an eager call fills the cache with a real table
+    assert torch.equal(capture(model, (x,)).gm(x), want)

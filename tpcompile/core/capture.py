@@ -43,7 +43,7 @@ from tpcompile.core.canonical_order import canonical_order
 from tpcompile.core.checkpoint_marks import checkpoint_marks, stamp_regions
 from tpcompile.core.subclass_weights import subclass_parts, unwrap_subclass_weights
 from tpcompile.core.capture_checks import (
-    custom_function_calls, custom_functions_verdict, forward_state_guard,
+    custom_function_calls, custom_functions_verdict, forward_state_guard, method_caches_emptied,
 )
 from tpcompile.errors import CaptureError
 
@@ -167,7 +167,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, static: 
                   for name, value in _named_inputs(model, args, kwargs).items()}
     with (warnings.catch_warnings(), _export_logs_quiet(),
           recorded_stack_traces(stack_traces) as settle, checkpoint_marks(model) as regions,
-          flex_capture()):
+          flex_capture(), method_caches_emptied(model)):
         warnings.simplefilter("ignore")
         ep = torch.export.export(model, args, kwargs=kwargs or None, dynamic_shapes=shapes,
                                  strict=False)

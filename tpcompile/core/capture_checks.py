@@ -17,6 +17,13 @@
   built cache, ``if self._rope is None: self._rope = build()``) is refused with the fix that
   fits it: build it before ``parallelize``.
 
+- *Method caches* (``functools.lru_cache`` / ``cache`` on a module's method: diffusers'
+  NucleusMoE and Qwen-Image rotary tables, keyed by the frame and patch counts): a call traced
+  by export fills them with fake tensors, which the next capture of the model (``explain``,
+  then ``parallelize``) reads as constants of the graph ("a fake tensor in the exported
+  program") and the user's next eager call gets back. They are emptied before every export
+  (so the table is traced, not baked in from an eager call) and after it.
+
 Buffers updated in place (``self.count.add_(1)``, BatchNorm's running statistics) are part of
 the graph and are not affected: the parallelized module updates its own copies.
 """
@@ -37,7 +44,8 @@ from torch import nn
 
 from tpcompile.errors import CaptureError
 
-__all__ = ["forward_state_guard", "custom_function_calls", "custom_functions_verdict"]
+__all__ = ["forward_state_guard", "method_caches_emptied", "custom_function_calls",
+           "custom_functions_verdict"]
 
 _STANDARD = frozenset(nn.Module().__dict__)  # parameters, buffers, hooks, training...
 _CUSTOM_OP_MACHINERY = os.path.dirname(torch._library.__file__)
@@ -95,6 +103,31 @@ def _holders(model: nn.Module, names) -> dict[str, dict]:
             owner, _, attr = name.rpartition(".")
             out[name] = vars(getattr(modules[owner], attr))
     return out
+
+
+def _method_caches(model: nn.Module) -> list:
+    """The ``functools`` caches on the methods of the classes of ``model``'s modules."""
+    found: dict[int, object] = {}
+    for m in model.modules():
+        for cls in type(m).__mro__[:-1]:  # not object's
+            for value in vars(cls).values():
+                fn = getattr(value, "__func__", value)  # a static / class method's function
+                if callable(getattr(fn, "cache_clear", None)):
+                    found[id(fn)] = fn
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def method_caches_emptied(model: nn.Module):
+    """Empty the model's method caches before a capture and after it (module docstring)."""
+    caches = _method_caches(model)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        yield
+    finally:
+        for cache in caches:
+            cache.cache_clear()
 
 
 @contextlib.contextmanager
