@@ -36,6 +36,25 @@ def test_data_dependent_python_if_is_named():
     assert "torch.cond" in msg
 
 
+class LengthsFromAMask(nn.Module):
+    """Lumina 2's rotary embedder: lengths read from a mask's values, then hashed."""
+
+    def forward(self, x, mask):
+        lengths = mask.sum(dim=1).tolist()
+        if len(set(lengths)) > 1:  # the line the error must name
+            return x * 2
+        return x
+
+
+def test_an_error_without_a_blamed_line_names_the_models_own():
+    """Export's TypeError (a length read from a tensor is no hashable int) names no model
+    line; the innermost line of the model's code in the traceback is named instead."""
+    with pytest.raises(CaptureError) as e:
+        capture(LengthsFromAMask(), (torch.randn(2, 4), torch.ones(2, 3, dtype=torch.long)))
+    msg = str(e.value)
+    assert "test_capture.py" in msg and "len(set(lengths))" in msg and "unhashable" in msg
+
+
 def test_inputs_must_be_a_tuple():
     with pytest.raises(CaptureError, match="tuple of tensors"):
         capture(models.build("mlp"), {"x": torch.randn(2, 3, 64)})

@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import re
+import traceback
 import warnings
 from dataclasses import dataclass, replace
 
@@ -72,6 +74,11 @@ class Capture:
     reused: tuple[str, int] | None = None
 
 
+# code that is not the model's: torch, tpcompile and the standard library
+_LIBRARIES = tuple(os.path.dirname(m.__file__) for m in (torch, contextlib)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+
+
 def _as_tuple(example_inputs) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
@@ -100,12 +107,17 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _user_frame(err: BaseException) -> str:
-    """The model source line export blames, e.g. 'model.py:13: if x.sum() > 0:'."""
+    """The model source line export blames, e.g. 'model.py:13: if x.sum() > 0:', else the
+    innermost line of the model's own code in the traceback, with the error's first line."""
     text = str(err)
     m = re.search(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', text)
     if m:
         return f"{m.group(1)}:{m.group(2)}: {m.group(3).strip()}"
-    return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+    said = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_LIBRARIES)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()} " \
+           f"({said})" if frames else said
 
 
 def param_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
