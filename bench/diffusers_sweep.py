@@ -116,7 +116,10 @@ def report_markdown(rows, meta) -> str:
              "and inputs: bench/diffusers_configs.py; plans from `tpcompile.explain`, numerics "
              f"on gloo ranks (`tpcompile.tools.numerics.compare`, tolerance {TOLERANCE:g}; a "
              "float32 miss again in float64, bar 1e-10, beside the unsharded model's own "
-             "float32-vs-float64 error)" + ("" if meta["numerics"] else " not run") + ".", "",
+             "float32-vs-float64 error)" + ("" if meta["numerics"] else " not run") + "."
+             + "".join(f" Measured again on {m['date']} (`--only ... --merge"
+                       f"{' --numerics' if m['numerics'] else ''}`): {', '.join(m['names'])}."
+                       for m in meta.get("merged", [])), "",
              "## Reasons", "", "| category | classes | examples |", "|---|---:|---|"]
     by_cat: dict[str, list[str]] = {}
     for r in rows:
@@ -148,6 +151,8 @@ def report_markdown(rows, meta) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", help="these classes (printed, no results file)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only: replace those rows in results/diffusers_sweep.json")
     parser.add_argument("--numerics", action="store_true",
                         help="also run the classes that plan on 2 gloo ranks")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -168,12 +173,24 @@ def main(argv=None) -> None:
         r = rows[-1]
         print(f"[{r.get('seconds', 0):5.1f}s] {name}: {r['status']} {r.get('why', '')[:150]} "
               f"{numerics_cell(r) if args.numerics else ''}", file=sys.stderr, flush=True)
+    if args.only and args.merge:  # those rows replaced in the last full sweep's results
+        meta, rows = _merged(rows, args.only, args.numerics)
     text = report_markdown(rows, meta)
-    if not args.only:
+    if not args.only or args.merge:
         (RESULTS / "diffusers_sweep.json").write_text(
             json.dumps({**meta, "rows": rows}, indent=1, default=str))
         (RESULTS / "diffusers_sweep.md").write_text(text)
     print(text)
+
+
+def _merged(rows: list[dict], names: list[str], numerics: bool) -> tuple[dict, list[dict]]:
+    """The full sweep's meta and rows with ``rows`` in place of theirs, the merge recorded."""
+    old = json.loads((RESULTS / "diffusers_sweep.json").read_text())
+    fresh = {r["family"]: r for r in rows}
+    merged = [fresh.pop(r["family"], r) for r in old.pop("rows")] + list(fresh.values())
+    old.setdefault("merged", []).append({"date": time.strftime("%Y-%m-%d"), "names": names,
+                                         "numerics": numerics})
+    return old, merged
 
 
 if __name__ == "__main__":

@@ -24,9 +24,12 @@ __all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """``max|a - b| / max(max|b|, floor)``."""
+    """``max|a - b| / max(max|b|, floor)``; 0 for two empty tensors (a parameter with no
+    elements, as tiny configs make: an MoE's empty expert dim)."""
     a, b = a.detach().double(), b.detach().double()
-    scale = max(b.abs().max().item() if b.numel() else 0.0, floor)
+    if not b.numel():
+        return 0.0 if a.shape == b.shape else float("inf")
+    scale = max(b.abs().max().item(), floor)
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
@@ -34,7 +37,8 @@ def grad_errors(grads: dict, reference: dict) -> dict[str, float]:
     """Relative error of each gradient in ``reference`` (name -> tensor). A gradient that is zero
     in exact arithmetic (a key bias: softmax is shift-invariant) is measured against 1e-3 of the
     model's largest gradient instead of its own rounding noise."""
-    floor = 1e-3 * max(g.abs().max().item() for g in reference.values())
+    floor = 1e-3 * max((g.abs().max().item() for g in reference.values() if g.numel()),
+                       default=0.0)
     return {n: rel_err(grads[n], g, floor) for n, g in reference.items()}
 
 
