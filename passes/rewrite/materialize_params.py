@@ -3,14 +3,18 @@
 Every parameter and buffer the captured module holds is replaced by a fresh tensor: the rank's
 slice for sharded ones, a copy for replicated ones. The user's model is never modified and
 shares no storage with the result, so the caller may free it. Tied weights (several FQNs, one
-tensor) stay tied: every alias is set to the same new Parameter.
+tensor) stay tied: every alias is set to the same new Parameter. A tensor constant export
+lifted (a plain tensor attribute forward reads, ``lifted_tensor_0``) is no parameter or
+buffer; one the plan shards gets its slice too (SANA-WM's refiner multiplies a cut projection
+by a table it keeps as an attribute).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx, nn
 
-from tpcompile.core.capture import set_tensor
+from tpcompile.core.capture import fetch, set_tensor
 from tpcompile.core.plan import ShardingPlan
 from tpcompile.core.shards import take_shard
 
@@ -37,4 +41,9 @@ def materialize_params_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int) -
             local = nn.Parameter(local, requires_grad=t.requires_grad)
         for n in names:
             set_tensor(gm, n, local)
+    named = {n for names in by_id.values() for n in names}
+    constants = {n.target for n in gm.graph.nodes if n.op == "get_attr"} - named
+    for name in constants & plan.params.keys():  # the tensor constants the plan places
+        if isinstance(t := fetch(gm, name), torch.Tensor):
+            set_tensor(gm, name, take_shard(t, plan.params[name].placement, specs, rank))
     return gm

@@ -91,6 +91,9 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # Cohere / litgpt: x + attn(ln(x)) + mlp(ln(x)), the residual first: rank 0's share of the
     # two row-parallel outputs' partial sum, one forward all-reduce per block
     "parallel_block_residual_first": (2, 4),
+    # GPT-J / CodeGen / GPT-NeoX / Phi: each branch through a dropout before the sum; the
+    # partial sums pass the dropouts (one mask on every rank): one forward all-reduce per block
+    "parallel_block_dropped_out": (2, 4),
     # a DiT: each block's timestep embedder (called again by the final layer) and adaLN
     # modulation run on one row per sample, kept whole by cost; attention and MLP cut
     "dit_adaln_zero": (2, 4),

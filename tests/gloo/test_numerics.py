@@ -102,6 +102,16 @@ def test_frames_flipped_in_time_stay_cut_by_heads(results, ws):
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_a_table_kept_as_an_attribute_is_cut_with_its_features(results, ws):
+    """A plain tensor attribute export lifts as a constant, read along a column-parallel
+    output's features: each rank holds its slice of it (the whole table raised a size
+    mismatch on the ranks, SANA-WM's refiner); its numerics: the tests above."""
+    c = cases(results, ws, "hidden_scaled_by_attribute")[0]
+    assert c["styles"]["table"] == "colwise" and c["styles"]["down.weight"] == "rowwise"
+    assert c["collectives"]["forward"] == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_groups_repeated_to_heads_stay_cut(results, ws):
     """repeat_interleave(..., output_size=heads) on a groups shard: the projections stay column
     -> row (its numerics: the tests above; a global output_size made the ranks raise)."""

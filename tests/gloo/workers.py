@@ -188,6 +188,23 @@ class AttentionBackwardInTime(nn.Module):
         y = sdpa(q, k, v, is_causal=True) + torch.flip(back, dims=[2])
         return x + self.o(y.transpose(1, 2).flatten(2))
 
+
+class HiddenScaledByAttribute(nn.Module):
+    """A column-parallel output scaled by a table kept as a plain tensor attribute (no
+    parameter, no buffer), which export lifts as a constant of the graph, as SANA-WM's refiner
+    keeps its tables: the plan cuts the table with the features, so each rank holds its slice."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.table = torch.linspace(0.5, 1.5, hidden)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)) * self.table)
+
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -208,6 +225,7 @@ CASES = {
     "fresh_buffer_index_add": (FreshBufferIndexAdd, {}),
     "rotary_written_into_slice": (RotaryWrittenIntoSlice, {}),
     "attention_backward_in_time": (AttentionBackwardInTime, {}),
+    "hidden_scaled_by_attribute": (HiddenScaledByAttribute, {}),
 }
 
 
