@@ -54,7 +54,8 @@ from tpcompile.passes.planner.rules.writes import (
 )
 
 __all__ = ["Rule", "RULES", "TAGGED", "register", "rule_for", "rule_for_target", "is_view",
-           "viewed_from", "shard_map", "is_param_matmul", "is_lookup", "weight_out_first", "is_grouped_matmul",
-           "is_attention", "is_sum", "scales", "flops_of", "piece_of", "einsum_rule", "contraction_flops", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
+           "viewed_from", "shard_map", "is_param_matmul", "is_lookup", "weight_out_first",
+           "is_grouped_matmul", "is_attention", "is_sum", "scales", "flops_of", "piece_of",
+           "einsum_rule", "contraction_flops", "cache_behind", "FRESH_BUFFERS", "SCATTERS",
            "value_of_write", "einsum", "pointwise", "writes", "matmuls", "indexing", "attention",
            "flex_attention", "reductions", "norms", "extrema", "views", "vocabulary"]
