@@ -29,7 +29,7 @@ from bench.diffusers_configs import build, classes, n_layers
 from bench.hf_configs import first_line
 from bench.hf_numerics import (TOLERANCE, WORLD_SIZE, keep_float64_through_float32_casts,
                                 as_dtype, float32_rounding, float64_retry, on_ranks)
-from bench.hf_report import category, counts, numerics_cell
+from bench.hf_report import category, counts, merge_rows, numerics_cell
 from bench.hf_sweep import run_one_subprocess
 from bench.hf_verdict import plan_row
 
@@ -186,8 +186,7 @@ def main(argv=None) -> None:
 def _merged(rows: list[dict], names: list[str], numerics: bool) -> tuple[dict, list[dict]]:
     """The full sweep's meta and rows with ``rows`` in place of theirs, the merge recorded."""
     old = json.loads((RESULTS / "diffusers_sweep.json").read_text())
-    fresh = {r["family"]: r for r in rows}
-    merged = [fresh.pop(r["family"], r) for r in old.pop("rows")] + list(fresh.values())
+    merged = merge_rows(old.pop("rows"), rows)
     old.setdefault("merged", []).append({"date": time.strftime("%Y-%m-%d"), "names": names,
                                          "numerics": numerics})
     return old, merged

@@ -32,6 +32,13 @@ def _kib(n) -> str:
     return f"{n / 1024:.1f}"
 
 
+def merge_rows(old: list[dict], fresh: list[dict]) -> list[dict]:
+    """``old`` (a full sweep's rows) with each family of ``fresh`` in place of its row, new
+    families last."""
+    by_family = {r["family"]: r for r in fresh}
+    return [by_family.pop(r["family"], r) for r in old] + list(by_family.values())
+
+
 def numerics_cell(r) -> str:
     n = r.get("numerics")
     if not n:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench.hf_configs import BATCH, SEQ, build, example_ids, families, first_line, get
 from bench.hf_numerics import NUMERICS_TIMEOUT_S, WORLD_SIZE, run_numerics
-from bench.hf_report import numerics_cell, report_markdown
+from bench.hf_report import merge_rows, numerics_cell, report_markdown
 from bench.hf_verdict import plan_row
 
 __all__ = ["REPRESENTATIVE", "build", "example_ids", "measure", "plan_row"]
@@ -236,8 +236,7 @@ def main(argv=None) -> None:
             "world_size": WORLD_SIZE, "batch": BATCH, "seq": SEQ, "numerics": args.numerics}
     if args.merge:  # replace these families' rows in the full sweep's results
         old = json.loads((RESULTS / "hf_sweep.json").read_text())
-        fresh = {r["family"]: r for r in rows}
-        rows = [fresh.pop(r["family"], r) for r in old["rows"]] + list(fresh.values())
+        rows = merge_rows(old["rows"], rows)
         full = True
         meta = {**{k: old[k] for k in ("rejudged", "numerics") if k in old},
                 **{k: v for k, v in meta.items() if k != "numerics"},

@@ -26,6 +26,9 @@ def materialize_params_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int) -
     by_id: dict[int, list[str]] = {}
     tensors = list(gm.named_parameters(remove_duplicate=False)) + list(
         gm.named_buffers(remove_duplicate=False))
+    constants = {n.target for n in gm.graph.nodes if n.op == "get_attr"} - {n for n, _ in tensors}
+    tensors += [(name, t) for name in sorted(constants & plan.params.keys())  # placed constants
+                if isinstance(t := fetch(gm, name), torch.Tensor)]
     for name, t in tensors:
         by_id.setdefault(id(t), []).append(name)
     done = set()
@@ -41,9 +44,4 @@ def materialize_params_pass(gm: fx.GraphModule, plan: ShardingPlan, rank: int) -
             local = nn.Parameter(local, requires_grad=t.requires_grad)
         for n in names:
             set_tensor(gm, n, local)
-    named = {n for names in by_id.values() for n in names}
-    constants = {n.target for n in gm.graph.nodes if n.op == "get_attr"} - named
-    for name in constants & plan.params.keys():  # the tensor constants the plan places
-        if isinstance(t := fetch(gm, name), torch.Tensor):
-            set_tensor(gm, name, take_shard(t, plan.params[name].placement, specs, rank))
     return gm

@@ -107,13 +107,13 @@ def _holders(model: nn.Module, names) -> dict[str, dict]:
 
 def _method_caches(model: nn.Module) -> list:
     """The ``functools`` caches on the methods of the classes of ``model``'s modules."""
+    classes = {cls for m in model.modules() for cls in type(m).__mro__} - {object, nn.Module}
     found: dict[int, object] = {}
-    for m in model.modules():
-        for cls in type(m).__mro__[:-1]:  # not object's
-            for value in vars(cls).values():
-                fn = getattr(value, "__func__", value)  # a static / class method's function
-                if callable(getattr(fn, "cache_clear", None)):
-                    found[id(fn)] = fn
+    for cls in classes:
+        for value in vars(cls).values():
+            fn = getattr(value, "__func__", value)  # a static / class method's function
+            if callable(getattr(fn, "cache_clear", None)):
+                found[id(fn)] = fn
     return list(found.values())
 
 

@@ -30,6 +30,8 @@ __all__ = ["RewriteTrace", "trace_rewrite", "concrete_shape", "module_path", "so
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# the pass a rewrite without weights leaves out (explain's; the other ranks' graphs of a trace)
+_NO_WEIGHTS = ("materialize_params",)
 
 
 @dataclass
@@ -89,7 +91,7 @@ def trace_rewrite(model: nn.Module, example_inputs, world_size: int, rank: int =
     before = {n.name: _literals(n) for n in cap.gm.graph.nodes if n.op == "call_function"}
     _tell(progress, f"rewriting the graph of rank {rank}")
     gm, records = pipeline.rewrite(planned, rank, group_name, record=render or False,
-                                   skip=() if copy_weights else ("materialize_params",))
+                                   skip=() if copy_weights else _NO_WEIGHTS)
     stages = [("capture", planned.records[0].before)] if render else []
     stages += [(r.name, r.after) for r in list(planned.records) + records]
     relocalized = {}
@@ -103,7 +105,7 @@ def rewrite_rank(trace: RewriteTrace, rank: int, group_name: str = "tp") -> fx.G
     """Rank ``rank``'s rewritten graph from ``trace``'s plan, captured and planned once: what
     differs between ranks (uneven shards' sizes and offsets) without a capture per rank."""
     planned = pipeline.Planned(trace.cap, trace.plan)
-    return pipeline.rewrite(planned, rank, group_name, skip=("materialize_params",))[0]
+    return pipeline.rewrite(planned, rank, group_name, skip=_NO_WEIGHTS)[0]
 
 
 def source_node(node: fx.Node, known: set[str] | dict) -> fx.Node:

@@ -25,7 +25,7 @@ __all__ = ["Comparison", "compare", "grad_errors", "rel_err", "saved_activation_
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     """``max|a - b| / max(max|b|, floor)``; 0 for two empty tensors (a parameter with no
-    elements, as tiny configs make: an MoE's empty expert dim)."""
+    elements, as tiny configs make: an MLP of hidden size 0)."""
     a, b = a.detach().double(), b.detach().double()
     if not b.numel():
         return 0.0 if a.shape == b.shape else float("inf")
