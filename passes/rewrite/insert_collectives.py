@@ -120,13 +120,20 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     another's synced copy (:func:`_movable`), and so does a value made outside the blocks with
     the bucket after it (Gemma 4's per-layer inputs,
     made before the layers and read by each: their gradient is whole by the time the first
-    layer's input is synced). The readers that ran between one value and the next move after
-    the last (they only depend on earlier nodes), so the bucket exists before its first reader."""
+    layer's input is synced). A model input no gradient is asked of (a diffusion model's text
+    embeddings, fed to a column-parallel projection) is a bucket of its own, which never runs:
+    in a block's bucket it would keep out the values computed from it (the text stream's q/k/v
+    input, next to the image stream's). The readers that ran between one value and the next
+    move after the last (they only depend on earlier nodes), so the bucket exists before its
+    first reader."""
     blocks, buckets, last = repeated_block_paths(gm), [], None
     position = _positions([nodes[v] for v in plan.grad_syncs], blocks, order)
     synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
                     key=lambda item: position[item[0]])
     for value, users in synced:
+        if value.op == "placeholder" and not getattr(value.meta.get("val"), "requires_grad", 1):
+            buckets.append([(value, users)])
+            continue
         key = block_of(value, blocks)
         if (last is not None and (last[0] is None or key == last[0])
                 and _movable(last[1], value, order)):

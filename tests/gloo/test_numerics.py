@@ -127,3 +127,16 @@ def test_whole_chunk_differentiated_whole_stays_replicated(results, ws):
     c = cases(results, ws, "whole_kv_read_whole")[0]
     assert c["styles"]["qkv.weight"] == "replicate"
     assert "differentiated whole on every rank" in c["reasons"]["qkv.weight"]
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_two_streams_share_one_gradient_sync(results, ws):
+    """Joint attention over image tokens and context tokens a caption projection makes from
+    the input (JoyImage, Motif): the two streams' q / k / v inputs share one backward
+    all-reduce; the input's own sync (it requires no gradient) is a bucket of its own that
+    never runs. Shared with the input, it kept the context stream out: 2 backward all-reduces."""
+    c = cases(results, ws, "joint_streams_captioned")[0]
+    assert c["styles"]["cap1.weight"] == "colwise" and c["styles"]["cap2.weight"] == "rowwise"
+    assert {c["styles"][f"{s}.{p}.weight"] for s in ("image", "context") for p in "qkv"} \
+        == {"colwise"}
+    assert c["collectives"]["backward"] == {"all_reduce": 1}, c["collectives"]

@@ -10,6 +10,7 @@ import math
 import traceback
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import tpcompile
@@ -205,6 +206,39 @@ class HiddenScaledByAttribute(nn.Module):
         return x + self.down(torch.relu(self.up(x)) * self.table)
 
 
+class _Stream(nn.Module):
+    """One token stream's weights in a joint-attention block: a norm, q / k / v and out."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+
+class JointStreamsCaptioned(nn.Module):
+    """Joint attention (MMDiT, JoyImage, Motif) over the image tokens and context tokens that
+    a caption projection (Linear-GELU-Linear, a column -> row chain) makes from the input: the
+    context stream's q / k / v input is computed from a reader of the input, which requires no
+    gradient, so its gradient sync (one that never runs) must not share a bucket with the two
+    streams' q / k / v inputs, whose syncs are one all-reduce."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.cap1, self.cap2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.image, self.context = _Stream(dim), _Stream(dim)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        c = self.cap2(F.gelu(self.cap1(x)))
+        qkv = [[p(s.norm(t)).unflatten(2, (self.heads, -1)).transpose(1, 2) for p in (s.q, s.k, s.v)]
+               for s, t in ((self.image, x), (self.context, c))]
+        q, k, v = (torch.cat(pair, dim=2) for pair in zip(*qkv))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        n = x.shape[1]
+        return x + self.image.out(y[:, :n]) + (c + self.context.out(y[:, n:])).mean(1, keepdim=True)
+
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -226,6 +260,7 @@ CASES = {
     "rotary_written_into_slice": (RotaryWrittenIntoSlice, {}),
     "attention_backward_in_time": (AttentionBackwardInTime, {}),
     "hidden_scaled_by_attribute": (HiddenScaledByAttribute, {}),
+    "joint_streams_captioned": (JointStreamsCaptioned, {}),
 }
 
 
