@@ -188,3 +188,29 @@ def test_syncs_that_wait_through_the_models_own_code_are_not_bucketed():
     model, ids = build("DoryForCausalLM"), example_ids()
     assert _counts(megatron_bound(captured(model, (ids,)), 2)) == {(8, 8)}
     assert "-> at the bound" in str(explain(model, (ids,), world_size=2))
+
+
+class _OneFrame(torch.nn.Module):
+    """A temporal transformer's block as diffusers' ``TransformerTemporalModel`` runs it over a
+    clip of one frame: every pixel a sequence of one token, ``(B * H * W, 1, D)``."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.o(y.transpose(1, 2).flatten(2))
+
+
+def test_a_token_dim_of_one_is_not_a_head():
+    """The 1 before a projection's features in ``(B * H * W, 1, D)`` is the frames of a
+    one-frame clip: the bound read it as one head, fewer than the ranks, kept q / k / v whole
+    and counted one backward all-reduce where the plan, cutting the 2 heads, pays one per
+    chain (diffusers' TransformerTemporalModel: 3/1 against 3/3)."""
+    bound = megatron_bound(captured(_OneFrame(), (torch.randn(8, 1, 32),)), 2)
+    assert {bound.styles[f"{p}.weight"] for p in "qkv"} == {"colwise"}, bound.styles
+    assert bound.styles["o.weight"] == "rowwise"

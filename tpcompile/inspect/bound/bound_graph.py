@@ -158,17 +158,19 @@ def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
     return False
 
 
-def _heads(node: fx.Node, features: int) -> int | None:
+def _heads(node: fx.Node, features: int, rank: int) -> int | None:
     """The heads ``node``'s ``features`` are viewed as: a view whose trailing dims (heads,
     head_dim) multiply to them, reached through views and same-shape sums and scalings (a LoRA
     factor's output added to its base's, a cast); None when they are never viewed so. The
     heads are every trailing dim but head_dim: torchtitan's fused qkv piece is (kv heads, 1,
-    head_dim)."""
+    head_dim). A view into heads has more dims than the matmul's output (``rank``): the 1
+    before the features of a ``(B * H * W, 1, F)`` output is a token dim (a temporal
+    transformer over one frame), not one head."""
     todo = [node]
     while todo:
         n = todo.pop()
         dims = _sizes(n)
-        for k in range(len(dims) - 2, 0, -1):
+        for k in range(len(dims) - 2, 0, -1) if len(dims) > rank else ():
             if None not in dims[k:] and math.prod(dims[k:]) == features:
                 return math.prod(dims[k:-1])
         todo.extend(u for u in n.users if is_view(u) or (
@@ -223,7 +225,7 @@ def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | No
         seen.add(n)
         f = (_numel(n) or 0) * m.in_features // act
         if _is_piece(n) and 0 < f < features:
-            heads = _heads(n, f)
+            heads = _heads(n, f, len(_sizes(m.node)))
             out += [(f, heads)] if heads is not None else list(_parts(m, n, f)) or [(f, None)]
         elif _is_piece(n) or n.target in _SPLITS or is_view(n) or (
                 node is not m.node and _channelwise(n)) or (
@@ -309,7 +311,8 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
         layer = _layer(m.node)
         m.downstream = _nearest(m, by_node, layer, up=False)
         m.router = _reaches(m.node, layer, by_node, aten.topk.default)
-        m.heads, m.parts = _heads(m.node, m.out_features), _parts(m, m.node, m.out_features)
+        m.heads = _heads(m.node, m.out_features, len(_sizes(m.node)))
+        m.parts = _parts(m, m.node, m.out_features)
         m.statistics = _statistics(m)
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
         if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
