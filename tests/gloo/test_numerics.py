@@ -140,3 +140,15 @@ def test_two_streams_share_one_gradient_sync(results, ws):
     assert {c["styles"][f"{s}.{p}.weight"] for s in ("image", "context") for p in "qkv"} \
         == {"colwise"}
     assert c["collectives"]["backward"] == {"all_reduce": 1}, c["collectives"]
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_one_head_attention_keeps_its_scores_whole(results, ws):
+    """A one-head attention written out: q and k whole (cut along the head's features, the
+    scores would be a T x T partial sum, all-reduced each step), v and o cut by the head's
+    features; its numerics: the tests above."""
+    c = cases(results, ws, "one_head_attention")[0]
+    assert c["styles"]["q.weight"] == c["styles"]["k.weight"] == "replicate"
+    assert "a product of two activations" in c["reasons"]["q.weight"], c["reasons"]
+    assert c["styles"]["v.weight"] == "colwise" and c["styles"]["o.weight"] == "rowwise"
+    assert c["collectives"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}

@@ -239,6 +239,23 @@ class JointStreamsCaptioned(nn.Module):
         return x + self.image.out(y[:, :n]) + (c + self.context.out(y[:, n:])).mean(1, keepdim=True)
 
 
+class OneHeadAttention(nn.Module):
+    """A one-head attention written out (diffusers' ``SelfAttention1d`` in UNet1D, a VAE's
+    mid-block attention): ``softmax(q @ k^T) @ v``. Cutting q and k along the head's features
+    makes the scores a partial sum, a T x T all-reduce; the plan keeps q and k whole and cuts
+    v's features and ``o``'s rows (probs @ v is per feature): one all-reduce each way."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        q, k, v = (p(x).unsqueeze(1) for p in (self.q, self.k, self.v))  # (B, 1, T, D)
+        probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+        return x + self.o((probs @ v).squeeze(1))
+
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -261,6 +278,7 @@ CASES = {
     "attention_backward_in_time": (AttentionBackwardInTime, {}),
     "hidden_scaled_by_attribute": (HiddenScaledByAttribute, {}),
     "joint_streams_captioned": (JointStreamsCaptioned, {}),
+    "one_head_attention": (OneHeadAttention, {}),
 }
 
 

@@ -4,9 +4,10 @@ Roots that meet in one op (q and k in an attention, w1 and w3 in SwiGLU) form a 
 chain must end where sharded data turns into a partial sum or a replicated result by itself
 (a row-parallel matmul, a vocabulary-parallel loss or embedding). A chain that never does,
 that leaks sharded data into ops needing whole rows (a norm over features, a gathered graph
-output), or that all-reduces per-token statistics beyond one chain, is killed: its roots stay
-replicated and propagation reruns. Roots a rule refused (``Propagation.rejected``) are killed
-with them.
+output), that all-reduces per-token statistics beyond one chain, or whose partial sum is a
+product of two activations it cuts along the summed dim (attention scores over a head's cut
+features) is killed: its roots stay replicated and propagation reruns. Roots a rule refused
+(``Propagation.rejected``) are killed with them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tpcompile.passes.planner.grad_syncs import is_distributed
 from tpcompile.passes.planner.propagate import SEQUENCE, Constraints, Propagation, local_slice
 from tpcompile.passes.planner.reads import consumed, roots_behind
 from tpcompile.passes.planner.refine.decision import Decision
+from tpcompile.passes.planner.rules import is_param_matmul
 
 __all__ = ["dead_chains"]
 
@@ -57,11 +59,17 @@ def dead_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints
         exits |= {r for a in state.output.all_input_nodes
                   if isinstance(p := consumed(state, a, state.output), Shard)
                   for r in state.specs.bases(p.layout.root)}
-    reductions = _reductions_by_root(state)
+    reductions, products = _reductions_by_root(state), _cut_products(gm, state)
     dead = {}
     for component in nx.connected_components(chains):
         leak = next((leaks[r] for r in sorted(component) if r in leaks), None)
         costly = _statistics_beyond_one_chain(component, reductions) if leak is None else None
+        product = next((products[r] for r in sorted(component) if r in products), None)
+        if leak is None and costly is None and product is not None:
+            costly = (f"make {product} a partial sum, a product of two activations it cuts "
+                      "along the dim the product sums (attention scores over a head's cut "
+                      "features: a T x T all-reduce per head where Megatron, cutting heads, "
+                      "has none)")
         if leak is None and costly is None and component & exits:
             continue
         users = sorted({u.name for r in component for u in state.root_users.get(r, ())})
@@ -92,6 +100,27 @@ def _reductions_by_root(state: Propagation) -> dict[str, tuple[set, set, set]]:
             2 if isinstance(dst, Shard) and dst.layout.root != SEQUENCE else 1)
         for root in roots_behind(state, value, set()):
             out.setdefault(root, (set(), set(), set()))[kind].add(value.name)
+    return out
+
+
+def _cut_products(gm: fx.GraphModule, state: Propagation) -> dict[str, str]:
+    """root -> a partial sum of its chain that multiplies two activations (values computed
+    from the model's inputs, not a weight however dequantized), both sharded and cut along the
+    dim the product sums: ``q @ k^T`` of a one-head attention whose head features the chain
+    splits, reduced there or after a scaling. Not experts combined by routing weights: the
+    weights are replicated, sliced to each rank's experts."""
+    data, out = set(gm.graph.find_nodes(op="placeholder")), {}
+    for node in gm.graph.nodes:
+        if any(a in data for a in node.all_input_nodes):
+            data.add(node)
+    for value, placement in state.placements.items():
+        if not isinstance(placement, Partial) or not is_param_matmul(value):
+            continue
+        cut = [a for a in value.all_input_nodes if isinstance(state.placements.get(a), Shard)
+               and isinstance(consumed(state, a, value), Shard)]
+        if len(cut) == 2 and all(a in data for a in cut):
+            for root in roots_behind(state, value, set()):
+                out.setdefault(root, value.name)
     return out
 
 
