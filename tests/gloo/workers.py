@@ -247,7 +247,10 @@ class OneHeadAttention(nn.Module):
 
     def __init__(self, dim=32):
         super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        # k without a bias: its gradient is zero in exact arithmetic (softmax ignores a shift
+        # shared by every key), and AdamW's steps would magnify its rounding
+        self.q, self.v, self.o = (nn.Linear(dim, dim) for _ in range(3))
+        self.k = nn.Linear(dim, dim, bias=False)
         self.cfg = models.ModelConfig(dim=dim, n_layers=1)
 
     def forward(self, x):
