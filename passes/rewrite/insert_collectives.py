@@ -115,36 +115,63 @@ def _symbolic_tiles(p) -> bool:
 
 
 def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list[list]:
-    """The plan's gradient syncs of values, as [(value, partial users)] buckets: the values of
-    one repeated block share one all-reduce (k and v) unless one is computed from a reader of
-    another's synced copy (:func:`_movable`), and so does a value made outside the blocks with
-    the bucket after it (Gemma 4's per-layer inputs,
-    made before the layers and read by each: their gradient is whole by the time the first
-    layer's input is synced). A model input no gradient is asked of (a diffusion model's text
-    embeddings, fed to a column-parallel projection) is a bucket of its own, which never runs:
-    in a block's bucket it would keep out the values computed from it (the text stream's q/k/v
-    input, next to the image stream's). The readers that ran between one value and the next
-    move after the last (they only depend on earlier nodes), so the bucket exists before its
-    first reader."""
-    blocks, buckets, last = repeated_block_paths(gm), [], None
+    """The plan's gradient syncs of values, as [(value, partial users)] buckets, each one
+    all-reduce. A value *waits* on another when it is computed from a reader of the other's
+    synced copy (its gradient comes back through those readers); the values of one repeated
+    block are bucketed by their height in that order, so a bucket's values wait on none of
+    each other and the block pays the fewest all-reduces, the longest chain of waits (Mirsky;
+    Megatron's bound counts the same): the q / k / v inputs of joint attention's two streams
+    share one, then their MLP inputs, whichever order export wrote them in. A value made
+    outside the blocks is bucketed with the block after it (Gemma 4's per-layer inputs, made
+    before the layers and read by each: their gradient is whole by the time the first layer's
+    input is synced). A model input no gradient is asked of (a diffusion model's text
+    embeddings, fed to a column-parallel projection) is a bucket of its own, which never
+    runs: in a block's bucket it would keep out the values computed from its readers. The
+    readers that ran between one value and the next move after the last (they only depend on
+    earlier nodes), so the bucket exists before its first reader."""
+    blocks = repeated_block_paths(gm)
     position = _positions([nodes[v] for v in plan.grad_syncs], blocks, order)
     synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
                     key=lambda item: position[item[0]])
+    keys = _bucket_keys([v for v, _ in synced], blocks)
+    buckets, groups, earlier = [], {}, {}
     for value, users in synced:
         if value.op == "placeholder" and not getattr(value.meta.get("val"), "requires_grad", 1):
             buckets.append([(value, users)])
             continue
-        key = block_of(value, blocks)
-        if (last is not None and (last[0] is None or key == last[0])
-                and _movable(last[1], value, order)):
-            last[0] = key
-            last[1].append((value, users))
-            continue
-        last = [key, [(value, users)]]
-        buckets.append(last[1])
+        before = earlier.setdefault(keys[value], [])
+        first = min((order[r] for _, readers, _ in before for r in readers), default=order[value])
+        made = _made_from(value, first, order)
+        height = 1 + max((h for _, readers, h in before if made & readers), default=0)
+        before.append((value, set(users), height))
+        groups.setdefault((keys[value], height), []).append((value, users))
+    buckets = sorted([*buckets, *groups.values()], key=lambda b: position[b[0][0]])
     for bucket in buckets:
         _readers_after(bucket, order)
     return buckets
+
+
+def _bucket_keys(values: list, blocks) -> dict:
+    """Each synced value's block (in position order), a value outside the blocks taking the
+    block of the next value in one."""
+    keys, following = {}, None
+    for v in reversed(values):
+        following = block_of(v, blocks) or following
+        keys[v] = following
+    return keys
+
+
+def _made_from(value: fx.Node, first: int, order: dict) -> set[fx.Node]:
+    """The nodes ``value`` is computed from, walked back to graph position ``first`` (the
+    earliest reader it could be computed from)."""
+    todo, seen = list(value.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            if order[n] > first:
+                todo += n.all_input_nodes
+    return seen
 
 
 def _positions(synced: list, blocks, order: dict) -> dict:
@@ -174,22 +201,6 @@ def _early_readers(bucket: list, anchor: fx.Node, order: dict) -> list[fx.Node]:
             seen.add(n)
             todo += list(n.users)
     return sorted(seen, key=order.__getitem__)
-
-
-def _movable(bucket: list, value: fx.Node, order: dict) -> bool:
-    """``value`` may join: it is not computed from a reader of the bucket's synced copies (the
-    bucket would then need its own result). Computed from a bucket value directly is fine:
-    Llama 4's routed tokens (tokens times their routing scores) join the tokens' sync."""
-    readers, first = {u for _, us in bucket for u in us}, order[bucket[0][0]]
-    todo, seen = [value], set()
-    while todo:
-        n = todo.pop()
-        if n in readers:
-            return False
-        if n not in seen and order[n] > first:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return True
 
 
 def _readers_after(bucket: list, order: dict) -> None:
