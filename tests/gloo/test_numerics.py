@@ -152,3 +152,13 @@ def test_one_head_attention_keeps_its_scores_whole(results, ws):
     assert "a product of two activations" in c["reasons"]["q.weight"], c["reasons"]
     assert c["styles"]["v.weight"] == "colwise" and c["styles"]["o.weight"] == "rowwise"
     assert c["collectives"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_syncs_that_wait_on_none_of_each_other_share_one_all_reduce(results, ws):
+    """Two streams, the first's two MLPs before the second's (LTX-2's video then audio):
+    gradient syncs bucketed by their height in the order of waits, two backward all-reduces
+    for the four MLP inputs (three when bucketed greedily in graph order); numerics above."""
+    c = cases(results, ws, "two_streams_in_turn")[0]
+    # forward: the streams' last partial sums carried into their sum, one all-reduce for both
+    assert c["collectives"] == {"forward": {"all_reduce": 3}, "backward": {"all_reduce": 2}}

@@ -259,6 +259,29 @@ class OneHeadAttention(nn.Module):
         return x + self.o((probs @ v).squeeze(1))
 
 
+class TwoStreamsInTurn(nn.Module):
+    """Two token streams, each through two residual MLPs, the first stream's both before the
+    second's (LTX-2's video, then audio): the MLP inputs of the streams' first sublayers wait
+    on none of each other, nor do their second sublayers', so two backward all-reduces serve
+    all four; bucketed greedily in graph order, the second stream's first input joined the
+    first stream's second bucket and its second input paid a third."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(4))
+        self.down = nn.ModuleList(nn.Linear(hidden, dim) for _ in range(4))
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def forward(self, x):
+        streams = [x, x.flip(1)]
+        for s in range(2):
+            for i in (2 * s, 2 * s + 1):
+                h = streams[s]
+                streams[s] = h + self.down[i](F.gelu(self.up[i](self.norm(h))))
+        return streams[0] + streams[1]
+
+
 # name -> (built-in model name or a module class, config overrides)
 CASES = {
     "mlp": ("mlp", {}),
@@ -282,6 +305,7 @@ CASES = {
     "hidden_scaled_by_attribute": (HiddenScaledByAttribute, {}),
     "joint_streams_captioned": (JointStreamsCaptioned, {}),
     "one_head_attention": (OneHeadAttention, {}),
+    "two_streams_in_turn": (TwoStreamsInTurn, {}),
 }
 
 
