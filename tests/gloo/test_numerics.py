@@ -155,6 +155,18 @@ def test_one_head_attention_keeps_its_scores_whole(results, ws):
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_a_latent_no_narrower_than_the_model_keeps_its_down_projection_whole(results, ws):
+    """MLA whose latent (32 + 8 rope features) is wider than the model (32): the bound and the
+    plan keep ``wkv_a`` whole and cut ``wq`` / ``wkv_b`` by heads, ``wo`` by rows; one
+    all-reduce each way, the rope piece's sync in q's input's bucket; numerics above."""
+    c = cases(results, ws, "latent_attention")[0]
+    assert c["styles"]["wkv_a.weight"] == "replicate", c["styles"]
+    assert c["styles"]["wq.weight"] == c["styles"]["wkv_b.weight"] == "colwise"
+    assert c["styles"]["wo.weight"] == "rowwise"
+    assert c["collectives"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_syncs_that_wait_on_none_of_each_other_share_one_all_reduce(results, ws):
     """Two streams, the first's two MLPs before the second's (LTX-2's video then audio):
     gradient syncs bucketed by their height in the order of waits, two backward all-reduces

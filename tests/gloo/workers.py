@@ -259,6 +259,45 @@ class OneHeadAttention(nn.Module):
         return x + self.o((probs @ v).squeeze(1))
 
 
+class LatentAttention(nn.Module):
+    """MLA whose latent is no narrower than the model (torchtitan's DeepSeek-V3 debug config):
+    ``wkv_a`` makes a latent and a rope piece, the latent is normalized and expanded 4x into
+    heads by ``wkv_b``. The down projection stays whole, ``wq`` / ``wkv_b`` are cut by heads,
+    ``wo`` by rows; the rope piece's and the latent's partial gradients are synced in q's
+    input's bucket: one all-reduce each way."""
+
+    def __init__(self, dim=32, heads=4, latent=32, rope=8, head=16, max_len=64):
+        super().__init__()
+        self.heads, self.rope, self.head = heads, rope, head
+        self.norm, self.kv_norm = models.RMSNorm(dim), models.RMSNorm(latent)
+        self.wq = nn.Linear(dim, heads * (head + rope), bias=False)
+        self.wkv_a = nn.Linear(dim, latent + rope, bias=False)
+        self.wkv_b = nn.Linear(latent, heads * 2 * head, bias=False)  # 4x the latent
+        self.wo = nn.Linear(heads * head, dim, bias=False)
+        angles = torch.outer(torch.arange(max_len), 0.5 ** torch.arange(rope // 2))
+        self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
+        self.register_buffer("sin", angles.sin().repeat(1, 2), persistent=False)
+        self.cfg = models.ModelConfig(dim=dim, n_layers=1)
+
+    def _rotate(self, x):
+        half, t = x.shape[-1] // 2, x.shape[1]
+        turned = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * self.cos[:t, None] + turned * self.sin[:t, None]
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm(x)
+        q = self.wq(h).view(b, t, self.heads, -1)
+        q = torch.cat([q[..., :self.head], self._rotate(q[..., self.head:])], -1)
+        latent, pe = self.wkv_a(h).split([self.kv_norm.weight.shape[0], self.rope], -1)
+        pe = self._rotate(pe.unsqueeze(2)).expand(-1, -1, self.heads, -1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, t, self.heads, 2 * self.head)
+        k = torch.cat([kv[..., :self.head], pe], -1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             kv[..., self.head:].transpose(1, 2), is_causal=True)
+        return x + self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
 class TwoStreamsInTurn(nn.Module):
     """Two token streams, each through two residual MLPs, the first stream's both before the
     second's (LTX-2's video, then audio): the MLP inputs of the streams' first sublayers wait
@@ -306,6 +345,7 @@ CASES = {
     "joint_streams_captioned": (JointStreamsCaptioned, {}),
     "one_head_attention": (OneHeadAttention, {}),
     "two_streams_in_turn": (TwoStreamsInTurn, {}),
+    "latent_attention": (LatentAttention, {}),
 }
 
 

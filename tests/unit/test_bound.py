@@ -214,3 +214,31 @@ def test_a_token_dim_of_one_is_not_a_head():
     bound = megatron_bound(captured(_OneFrame(), (torch.randn(8, 1, 32),)), 2)
     assert {bound.styles[f"{p}.weight"] for p in "qkv"} == {"colwise"}, bound.styles
     assert bound.styles["o.weight"] == "rowwise"
+
+
+def test_a_latent_not_narrower_than_a_quarter_of_the_model_is_still_mla():
+    """MLA whose down projection does not narrow its input 4x (torchtitan's DeepSeek-V3 debug
+    config: 256 -> 576): its latent, normalized whole and expanded at least 4x into heads by
+    ``wkv_b``, still makes ``wkv_a`` the whole down factor of a low-rank pair, with the counts
+    of the narrow latent; the same pair without the norm is two matmuls of a chain."""
+    from zoo.idioms.positions import LatentAttention
+    from zoo.idioms.skeleton import LM
+
+    class WideLatent(LatentAttention):
+        RANK = 24  # wkv_a: 64 -> 32, wkv_b: 24 -> 128
+
+    class Unnormed(WideLatent):
+        def __init__(self):
+            super().__init__()
+            self.kv_norm = torch.nn.Identity()
+
+    inputs = idioms.example_inputs(2, 16)
+    narrow = megatron_bound(captured(LM(attn=LatentAttention), inputs), 2)
+    for attn, down in ((WideLatent, "whole"), (Unnormed, "colwise")):
+        bound = megatron_bound(captured(LM(attn=attn), inputs), 2)
+        styles = {w.split("attn.")[-1]: s for w, s in bound.styles.items() if "layers.0.attn" in w}
+        assert styles["wkv_a.weight"] == down, styles
+        if down == "whole":
+            assert styles == {w.split("attn.")[-1]: s for w, s in narrow.styles.items()
+                              if "layers.0.attn" in w}
+            assert _counts(bound) == _counts(narrow)

@@ -317,15 +317,37 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
         if not (m.out_features and m.in_features) or m.router or m.up_of is not None:
             continue
-        if m.out_features * low_rank <= m.in_features:
-            up = next((by_node[d] for d in m.downstream if by_node[d].up_of is None
-                       and (by_node[d].in_features or m.out_features + 1) <= m.out_features
-                       and _made_from(by_node[d].activation, m.node)), None)
-            if up is not None:
-                m.up, up.up_of = up.node, m.node
+        up = next((u for d in m.downstream for u in [by_node[d]] if u.up_of is None
+                   and (u.in_features or m.out_features + 1) <= m.out_features
+                   and _made_from(u.activation, m.node) and _low_rank(m, u, low_rank)), None)
+        if up is not None:
+            m.up, up.up_of = up.node, m.node
     for m in mms:
         m.upstream = _through_down(m, by_node)
     return mms
+
+
+def _low_rank(down: Matmul, up: Matmul, low_rank: int) -> bool:
+    """``down`` -> ``up`` is a low-rank pair: ``down`` narrows its input ``low_rank`` times
+    (a LoRA adapter, MLA at DeepSeek's widths), or its output is normalized whole and ``up``
+    expands that latent ``low_rank`` times into heads (MLA whose latent is not narrower than
+    the model: torchtitan's DeepSeek-V3 debug config, 256 -> 576 -> 16 heads of 256)."""
+    if down.out_features * low_rank <= down.in_features:
+        return True
+    return bool(up.heads and up.out_features >= low_rank * up.in_features
+                and set(down.statistics) & _ancestors(up.activation, down.node))
+
+
+def _ancestors(node: fx.Node | None, stop: fx.Node) -> set[fx.Node]:
+    """The nodes ``node`` is computed from, ``node`` included, not walking past ``stop``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen or n is stop:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
 
 
 def _made_from(node: fx.Node | None, source: fx.Node) -> bool:
