@@ -27,6 +27,7 @@ from tpcompile.core.plan import ShardingPlan
 from tpcompile.passes.planner.dims import untile_layout
 
 aten = torch.ops.aten
+_SIZES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)  # a size read's value
 
 __all__ = ["insert_collectives_pass"]
 
@@ -162,16 +163,33 @@ def _bucket_keys(values: list, blocks) -> dict:
 
 
 def _made_from(value: fx.Node, first: int, order: dict) -> set[fx.Node]:
-    """The nodes ``value`` is computed from, walked back to graph position ``first`` (the
-    earliest reader it could be computed from)."""
+    """The nodes ``value``'s data is computed from, walked back to graph position ``first``
+    (the earliest reader it could be computed from). A size read is not walked: no gradient
+    comes back through it (:func:`_sizes_at_the_value` moves it off the reader)."""
     todo, seen = list(value.all_input_nodes), set()
     while todo:
         n = todo.pop()
-        if n not in seen:
+        if n not in seen and not isinstance(n.meta.get("val"), _SIZES):
             seen.add(n)
             if order[n] > first:
                 todo += n.all_input_nodes
     return seen
+
+
+def _sizes_at_the_value(bucket: list) -> None:
+    """A size read off a synced value's linear reader, of a dim the linear keeps (every dim
+    but the last), reads the value itself: the same size, and no longer after the reader,
+    which the bucket moves after its last value. torchtitan's rotary slices its table by
+    ``q.size(1)``, read once, in the first block, off the q projection that its kv latent's
+    rope piece (synced in q's bucket) is then made after."""
+    for value, users in bucket:
+        rank = len(getattr(value.meta.get("val"), "shape", ()))
+        for u in users:
+            if u.target is not aten.linear.default or u.args[0] is not value:
+                continue
+            for s in list(u.users):
+                if s.target is aten.sym_size.int and 0 <= s.args[1] < rank - 1:
+                    s.replace_input_with(u, value)
 
 
 def _positions(synced: list, blocks, order: dict) -> dict:
@@ -204,6 +222,7 @@ def _early_readers(bucket: list, anchor: fx.Node, order: dict) -> list[fx.Node]:
 
 
 def _readers_after(bucket: list, order: dict) -> None:
+    _sizes_at_the_value(bucket)
     anchor = max((v for v, _ in bucket), key=order.__getitem__)
     early = _early_readers(bucket, anchor, order)
     if not early:
