@@ -138,13 +138,13 @@ def rank_error(e: BaseException) -> str:
     return raised[-1][:300] if raised else first_line(e)
 
 
-def worst_of(per_rank: list[dict]) -> dict:
+def worst_of(per_rank: list[dict], tolerance: float = TOLERANCE) -> dict:
     """The first rank's error, else the largest output error, the worst gradient rank's
     measurements (``max_grad_err``, ``worst_grad``, ...) and whether both are within
-    ``TOLERANCE``."""
+    ``tolerance``."""
     failed = [r for r in per_rank if "error" in r]
     if failed:
         return failed[0]
     out = max(r["output_err"] for r in per_rank)
     worst = max(per_rank, key=lambda r: r["max_grad_err"])
-    return {**worst, "output_err": out, "exact": max(out, worst["max_grad_err"]) <= TOLERANCE}
+    return {**worst, "output_err": out, "exact": max(out, worst["max_grad_err"]) <= tolerance}

@@ -20,6 +20,10 @@ BATCH, SEQ = 2, 16
 class Case:
     library: str
     builder: Callable[[], tuple]
+    # the gradients' reference: the model ("model"), or its captured graph ("captured": a
+    # model whose own backward does not run on CPU, flex attention's)
+    reference: str = "model"
+    tolerance: float | None = None  # None: hf_numerics.TOLERANCE
 
 
 def _shape(heads=HEADS, kv_heads=KV_HEADS, experts=None) -> dict:
@@ -124,8 +128,7 @@ def _titan(kind: str):
         from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model as Model
         from torchtitan.models.moe import MoEArgs
         # the latent a quarter of hidden or less, as DeepSeek-V3's (512 of 7168) and the HF
-        # sweep's MLA (kv 8): at half of hidden, wkv_a -> wkv_b is no low-rank pair and the bound
-        # would split wkv_a
+        # sweep's MLA (kv 8); torchtitan 0.3's debug config has one wider than the model
         args = Args(vocab_size=VOCAB, dim=HIDDEN, inter_dim=INTER, moe_inter_dim=32,
                     n_layers=LAYERS, n_dense_layers=1, n_heads=HEADS, kv_lora_rank=8,
                     q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -141,6 +144,33 @@ def _titan(kind: str):
     kv = HEADS if kind == "deepseek_v3" else KV_HEADS
     return model.train(), (_ids(),), {}, _shape(kv_heads=kv, experts=4 if kind in (
         "deepseek_v3", "qwen3_moe") else None)
+
+
+def _titan03(kind: str):
+    """torchtitan 0.3's ``debugmodel`` of ``kind`` (flex attention only: a document BlockMask
+    from its ``get_attention_masks``, zoo/flex_models.py), where 0.3 is installed."""
+    from importlib.metadata import version
+
+    if not version("torchtitan").startswith("0.3"):
+        raise ImportError(f"needs torchtitan 0.3 (installed: {version('torchtitan')}): "
+                          "pip install --no-deps -r .ci/torchtitan-0.3.txt")
+    from zoo import flex_models
+
+    model, inputs, kwargs = flex_models.torchtitan(kind)
+    attention = model.layers["0"].attention
+    experts = [m.num_experts for m in model.modules() if hasattr(m, "num_experts")]
+    return model.train(), inputs, kwargs, _shape(
+        attention.n_heads, getattr(attention, "n_kv_heads", attention.n_heads),
+        experts[0] if experts else None) | {"num_hidden_layers": len(model.layers)}
+
+
+def _hf_flex():
+    """Hugging Face Llama under ``attn_implementation="flex_attention"`` (8 heads over 2 KV
+    heads, 2 layers: zoo/flex_models.py), its block mask built in forward."""
+    from zoo import flex_models
+
+    model, inputs = flex_models.build("hf_llama_flex")
+    return model.train(), inputs, {}, _shape(heads=8, kv_heads=2)
 
 
 # ------------------------------------------------------------------ litgpt
@@ -186,6 +216,13 @@ CASES: dict[str, Case] = {
     "torchtitan.qwen3": Case("torchtitan", lambda: _titan("qwen3")),
     "torchtitan.qwen3_moe": Case("torchtitan", lambda: _titan("qwen3_moe")),
     "torchtitan.deepseek_v3": Case("torchtitan", lambda: _titan("deepseek_v3")),
+    "torchtitan-0.3.llama3": Case("torchtitan 0.3", lambda: _titan03("llama3"), "captured"),
+    "torchtitan-0.3.qwen3": Case("torchtitan 0.3", lambda: _titan03("qwen3"), "captured"),
+    # its routed experts compute in bfloat16 (w1_EFD.bfloat16()): each rank rounds its partial
+    # sum, the unsharded model the whole one, 4 bfloat16 units apart (tests/gloo/test_torchtitan_flex)
+    "torchtitan-0.3.deepseek_v3": Case("torchtitan 0.3", lambda: _titan03("deepseek_v3"),
+                                       "captured", 4 * 2.0 ** -8),
+    "transformers.llama (flex attention)": Case("transformers", _hf_flex, "captured"),
     "litgpt.pythia": Case("litgpt", lambda: _litgpt("pythia-14m")),
     "litgpt.llama3": Case("litgpt", lambda: _litgpt("Llama-3.2-1B")),
     "litgpt.phi2": Case("litgpt", lambda: _litgpt("phi-2")),

@@ -105,21 +105,24 @@ class Comparison:
 
 def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: float = 1e-3,
             kwargs: dict | None = None, keep_state: bool = False,
-            losses: tuple[Callable, Callable] | None = None) -> Comparison:
+            losses: tuple[Callable, Callable] | None = None, *,
+            copy_model: bool = True) -> Comparison:
     """Forward + backward both models on ``inputs``; optionally ``steps`` AdamW steps on both.
 
     ``losses``: (the reference's, ``tp``'s), each an output -> scalar, in place of a fixed
     random projection of the first output; the output error is then the loss's (a
     ``loss_parallel`` module's logits are its vocabulary shard, not comparable whole).
 
-    ``model`` is copied first, so the caller's model is left as it was. After the steps,
+    ``model`` is copied first, so the caller's model is left as it was (``copy_model=False``:
+    used as it is, for a reference made for this call that ``deepcopy`` cannot copy, such as a
+    captured graph holding flex attention's mods). After the steps,
     parameters are compared where the reference gradient is not zero in exact arithmetic: a
     key bias gets no gradient (softmax is shift-invariant) and Adam turns the ~1e-8 rounding
     noise it gets instead into full +-lr steps, in the sharded and the unsharded run alike.
     Entries whose first gradient is below 1e-6 of their tensor's largest are left out of
     ``step_errs`` (their gradients are still compared in ``grad_errs``).
     """
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model) if copy_model else model
     kwargs = kwargs or {}
     loss_fns = losses or (_loss, _loss)
     out_ref, out = ref(*inputs, **kwargs), tp(*inputs, **kwargs)
