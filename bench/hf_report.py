@@ -50,7 +50,8 @@ def numerics_cell(r) -> str:
             f" ({n['float64_grad_err']:.0e}; unsharded float32 vs float64: " \
             f"{n['float32_rounding']:.0e})"
     else:
-        verdict = "exact" if n["exact"] else f"MISMATCH ({fold(n['worst_grad'])})"
+        verdict = "exact" if n["exact"] else f"MISMATCH ({fold(n['worst_grad'])})" + (
+            f"; no float64 run: {n['float64_error'][:80]}" if "float64_error" in n else "")
     return f"{n['output_err']:.0e} / {n['max_grad_err']:.0e} {verdict}"
 
 
