@@ -134,7 +134,7 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     position = _positions([nodes[v] for v in plan.grad_syncs], blocks, order)
     synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
                     key=lambda item: position[item[0]])
-    keys = _bucket_keys([v for v, _ in synced], blocks)
+    keys = _bucket_keys(synced, blocks, order)
     buckets, groups, earlier = [], {}, {}
     for value, users in synced:
         if value.op == "placeholder" and not getattr(value.meta.get("val"), "requires_grad", 1):
@@ -152,12 +152,18 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     return buckets
 
 
-def _bucket_keys(values: list, blocks) -> dict:
-    """Each synced value's block (in position order), a value outside the blocks taking the
-    block of the next value in one."""
+def _bucket_keys(synced: list, blocks, order: dict) -> dict:
+    """Each synced value's block (``synced``: (value, readers) in position order): its own, or,
+    where every reader it is synced for sits in other blocks, the first reader's (its gradient
+    is whole once that block's backward has run: a text stream's output read by each image
+    block's cross-attention joins the first image block's bucket). A value outside the blocks
+    takes the block of the next value in one."""
     keys, following = {}, None
-    for v in reversed(values):
-        following = block_of(v, blocks) or following
+    for v, users in reversed(synced):
+        own, readers = block_of(v, blocks), {block_of(u, blocks) for u in users}
+        if own is not None and readers and own not in readers and None not in readers:
+            own = block_of(min(users, key=order.__getitem__), blocks)
+        following = own or following
         keys[v] = following
     return keys
 

@@ -167,6 +167,15 @@ def test_a_latent_no_narrower_than_the_model_keeps_its_down_projection_whole(res
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_a_value_read_only_by_later_blocks_syncs_with_the_first_of_them(results, ws):
+    """A text stream's output read by each image block's cross-attention: its gradient sync
+    shares the first image block's first all-reduce, 6 backward in all (7 when it was keyed
+    by the text block that made it); numerics above."""
+    c = cases(results, ws, "text_then_image_blocks")[0]
+    assert c["collectives"] == {"forward": {"all_reduce": 6}, "backward": {"all_reduce": 6}}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_syncs_that_wait_on_none_of_each_other_share_one_all_reduce(results, ws):
     """Two streams, the first's two MLPs before the second's (LTX-2's video then audio):
     gradient syncs bucketed by their height in the order of waits, two backward all-reduces

@@ -298,6 +298,56 @@ class LatentAttention(nn.Module):
         return x + self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class _ResidualMlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class _CrossBlock(nn.Module):
+    """Cross-attention from the image tokens to the text stream's output, then an MLP."""
+
+    def __init__(self, dim, heads, hidden):
+        super().__init__()
+        self.heads, self.norm = heads, nn.LayerNorm(dim)
+        self.q, self.v, self.o = (nn.Linear(dim, dim) for _ in range(3))
+        # k without a bias: its gradient is zero in exact arithmetic (softmax ignores a shift
+        # shared by every key), and AdamW's steps would magnify its rounding
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.mlp = _ResidualMlp(dim, hidden)
+
+    def forward(self, x, text):
+        b = x.shape[0]
+        q, k, v = (p(s).view(b, -1, self.heads, x.shape[-1] // self.heads).transpose(1, 2)
+                   for p, s in ((self.q, self.norm(x)), (self.k, text), (self.v, text)))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+        return self.mlp(x + self.o(y))
+
+
+class TextThenImageBlocks(nn.Module):
+    """A text stream through its own blocks, then image blocks that each read its output in
+    cross-attention (Kandinsky 5's text and visual blocks). The text output's gradient is
+    whole once the first image block's backward has run: its sync shares that block's first
+    all-reduce (keyed by the text block that made it, it paid one of its own)."""
+
+    def __init__(self, dim=32, heads=4, hidden=64):
+        super().__init__()
+        self.text = nn.ModuleList(_ResidualMlp(dim, hidden) for _ in range(2))
+        self.image = nn.ModuleList(_CrossBlock(dim, heads, hidden) for _ in range(2))
+        self.cfg = models.ModelConfig(dim=dim, n_layers=2)
+
+    def forward(self, x):
+        text = x.flip(1)
+        for block in self.text:
+            text = block(text)
+        for block in self.image:
+            x = block(x, text)
+        return x
+
+
 class TwoStreamsInTurn(nn.Module):
     """Two token streams, each through two residual MLPs, the first stream's both before the
     second's (LTX-2's video, then audio): the MLP inputs of the streams' first sublayers wait
@@ -346,6 +396,7 @@ CASES = {
     "one_head_attention": (OneHeadAttention, {}),
     "two_streams_in_turn": (TwoStreamsInTurn, {}),
     "latent_attention": (LatentAttention, {}),
+    "text_then_image_blocks": (TextThenImageBlocks, {}),
 }
 
 
