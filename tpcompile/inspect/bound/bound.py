@@ -8,8 +8,10 @@ module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths
   tensors only (a parameter, its views, a quantized weight's dequantization); its *weight* is
   that operand's largest tensor, its *activation* the other operand.
 * A *low-rank pair* is a matmul whose output features are at most a quarter of its input
-  features (the down factor) followed, within the block, by a matmul reading no more features
-  than that (the up factor): a LoRA adapter, an MLA down/up projection. Megatron splits one
+  features, or whose output is normalized whole and expanded at least 4x into heads (the down
+  factor), followed, within the block, by a matmul reading no more features than that (the up
+  factor): a LoRA adapter, an MLA down/up projection (at a width where the latent is not
+  narrower than the model too). Megatron splits one
   factor and keeps the narrow side whole; the pair counts as one matmul.
 * Styles, in graph order: a matmul whose activation depends (within the block, not through
   another matmul) on a column-parallel output is *rowwise*; any other is *colwise*. A pair's
