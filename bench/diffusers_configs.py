@@ -3,7 +3,10 @@
 
 The classes: ``diffusers.models``' ``*Transformer*Model`` and ``UNet*Model`` names, enumerated
 (``classes``), none hand-picked. A class's config is its ``__init__`` defaults scaled down by
-parameter name (``_shrink``: layer counts 1, 2 heads (and kv heads) of 16, model widths 32 and
+parameter name (``_shrink``: block counts 2, so each list of blocks repeats as a real model's
+does (one block per list is no repeated block for the gradient-sync buckets, which then filed
+a sync of one list under the next), resnets per UNet level 1, 2 heads (and kv heads) of 16,
+model widths 32 and
 FFN widths 64, text / pooled / caption / image-embedding widths 32, sample sizes 8, RoPE axes
 rescaled to sum to the head width, 5 video frames, text lengths 5), then ``OVERRIDES`` where a
 class needs fields that agree with each other or with its inputs (UNet channel lists, channel
@@ -25,6 +28,7 @@ from bench.diffusers_inputs import HEAD_DIM, HEADS, SIDE, TEXT_DIM, TEXT_TOKENS,
 # per-class fields the name rules cannot infer (applied after them)
 OVERRIDES: dict[str, dict] = {
     "FluxTransformer2DModel": {"in_channels": 4},
+    "Krea2Transformer2DModel": {"num_text_layers": 1},  # the input's encoder layers, no blocks
     "Flux2Transformer2DModel": {"in_channels": 4},
     "ChromaTransformer2DModel": {"in_channels": 4},
     "BriaTransformer2DModel": {"in_channels": 4},
@@ -56,7 +60,7 @@ OVERRIDES: dict[str, dict] = {
         "down_block_types": ("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
         "up_block_types": ("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
         "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 24, "num_frames": 2},
-    "HiDreamImageTransformer2DModel": {"patch_size": 2, "in_channels": 4, "llama_layers": (0, 1),
+    "HiDreamImageTransformer2DModel": {"patch_size": 2, "in_channels": 4, "llama_layers": (0, 1, 2, 3),
                                        "caption_channels": (TEXT_DIM, TEXT_DIM),
                                        "axes_dims_rope": (4, 6, 6), "max_resolution": (SIDE, SIDE)},
     "EasyAnimateTransformer3DModel": {"patch_size": 2, "in_channels": 4, "out_channels": 4,
@@ -107,8 +111,8 @@ class CannotBuildTiny(Exception):
     """A class of ``SKIP``: the reason is the message."""
 
 
-_LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks|layers_per_block)$|"
-                     r"^num_\w*(layers|blocks)$")
+_PER_LEVEL = re.compile(r"(^|_)layers_per_block$")  # a UNet level's resnets
+_LAYERS = re.compile(r"(^|_)(num_layers|layers|depth|num_blocks)$|^num_\w*(layers|blocks)$")
 _HEADS = re.compile(r"^(text_|audio_)?(num_attention_heads|num_heads|attention_heads|heads|n_heads|"
                     r"num_key_value_heads|n_kv_heads|num_kv_heads)$")
 _HEAD_DIM = re.compile(r"^(audio_)?(attention_head_dim|head_dim|rotary_dim)$")
@@ -126,7 +130,7 @@ _ROPE = re.compile(r"^(axes_dims?_rope|rope_axes_dim|rope_dim|axes_dims|rope_dim
 _FRAMES = re.compile(r"^sample_frames$")
 _TEXT_LEN = re.compile(r"^(max_text_seq_length|text_len)$")
 # name rule -> tiny value, first match wins
-_RULES = ((_LAYERS, 1), (_HEADS, HEADS), (_HEAD_DIM, HEAD_DIM), (_TEXT, TEXT_DIM),
+_RULES = ((_PER_LEVEL, 1), (_LAYERS, 2), (_HEADS, HEADS), (_HEAD_DIM, HEAD_DIM), (_TEXT, TEXT_DIM),
           (_WIDTH, HEADS * HEAD_DIM), (_FFN, 2 * HEADS * HEAD_DIM), (_SIZE, SIDE),
           (_FRAMES, 5), (_TEXT_LEN, TEXT_TOKENS))
 

@@ -107,11 +107,10 @@ INPUTS: dict[str, dict] = {
         "face_pixel_values": lambda: torch.randn(BATCH, 3, 2, SIDE, SIDE)},
     "UNetMotionModel": {  # the text per frame (AnimateDiff's pipeline repeats it)
         "encoder_hidden_states": lambda: torch.randn(BATCH * 2, TEXT_TOKENS, TEXT_DIM)},
-    "HiDreamImageTransformer2DModel": {  # latents it patchifies itself; Llama's two tapped layers
+    "HiDreamImageTransformer2DModel": {  # latents it patchifies itself; a tapped Llama layer
         "hidden_states": lambda: torch.randn(BATCH, 4, SIDE, SIDE), "img_ids": lambda: None,
-        "encoder_hidden_states_llama3": lambda: torch.randn(2, BATCH, TEXT_TOKENS, TEXT_DIM)},
-    "BriaFiboTransformer2DModel": {
-        "text_encoder_layers": lambda: torch.randn(2, BATCH, TEXT_TOKENS, TEXT_DIM)},
+        # per block, of both kinds
+        "encoder_hidden_states_llama3": lambda: torch.randn(4, BATCH, TEXT_TOKENS, TEXT_DIM)},
     "BriaFibo2Transformer2DModel": {  # the text's perceiver layer, then one per injection block
         "encoder_hidden_states": lambda: torch.randn(BATCH, 2, TEXT_TOKENS, TEXT_DIM)},
     "SanaWMTransformer3DModel": {"timestep": lambda: torch.rand(BATCH, 1, 2)},  # per frame
@@ -122,6 +121,9 @@ INPUTS: dict[str, dict] = {
 
 # arguments a class's own helper makes from the model (its RoPE for given frame positions)
 MODEL_INPUTS: dict[str, dict] = {
+    "BriaFiboTransformer2DModel": {  # one text-encoder layer per block, of both kinds
+        "text_encoder_layers": lambda m: torch.randn(
+            m.config.num_layers + m.config.num_single_layers, BATCH, TEXT_TOKENS, TEXT_DIM)},
     "SanaWMLTX2RefinerTransformer3DModel": {
         "video_rotary_emb": lambda m: m.build_rotary_emb_for_absolute_positions(
             BATCH, [0, 1], SIDE, SIDE, torch.device("cpu"), 24.0)},
