@@ -148,6 +148,7 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
         groups.setdefault((keys[value], height), []).append((value, users))
     buckets = sorted([*buckets, *groups.values()], key=lambda b: position[b[0][0]])
     for bucket in buckets:
+        _sizes_at_the_value(bucket)
         _readers_after(bucket, order)
     return buckets
 
@@ -228,7 +229,6 @@ def _early_readers(bucket: list, anchor: fx.Node, order: dict) -> list[fx.Node]:
 
 
 def _readers_after(bucket: list, order: dict) -> None:
-    _sizes_at_the_value(bucket)
     anchor = max((v for v, _ in bucket), key=order.__getitem__)
     early = _early_readers(bucket, anchor, order)
     if not early:

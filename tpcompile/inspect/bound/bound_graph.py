@@ -319,7 +319,7 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
             continue
         up = next((u for d in m.downstream for u in [by_node[d]] if u.up_of is None
                    and (u.in_features or m.out_features + 1) <= m.out_features
-                   and _made_from(u.activation, m.node) and _low_rank(m, u, low_rank)), None)
+                   and _low_rank(m, u, low_rank)), None)
         if up is not None:
             m.up, up.up_of = up.node, m.node
     for m in mms:
@@ -328,42 +328,33 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
 
 
 def _low_rank(down: Matmul, up: Matmul, low_rank: int) -> bool:
-    """``down`` -> ``up`` is a low-rank pair: ``down`` narrows its input ``low_rank`` times
-    (a LoRA adapter, MLA at DeepSeek's widths), or its output is normalized whole and ``up``
-    expands that latent ``low_rank`` times into heads (MLA whose latent is not narrower than
-    the model: torchtitan's DeepSeek-V3 debug config, 256 -> 576 -> 16 heads of 256)."""
-    if down.out_features * low_rank <= down.in_features:
-        return True
-    return bool(up.heads and up.out_features >= low_rank * up.in_features
-                and set(down.statistics) & _ancestors(up.activation, down.node))
+    """``down`` -> ``up`` is a low-rank pair: ``up`` reads ``down``'s output and stored tensors
+    alone, and ``down`` narrows its input ``low_rank`` times (a LoRA adapter, MLA at DeepSeek's
+    widths), or its output is normalized whole on the way and ``up`` expands that latent
+    ``low_rank`` times into heads (MLA whose latent is not narrower than the model:
+    torchtitan's DeepSeek-V3 debug config, 256 -> 576 -> 16 heads of 256)."""
+    narrows = down.out_features * low_rank <= down.in_features
+    if not (narrows or (up.heads and up.out_features >= low_rank * up.in_features)):
+        return False
+    path = _made_from(up.activation, down.node)
+    return path is not None and (narrows or bool(set(down.statistics) & path))
 
 
-def _ancestors(node: fx.Node | None, stop: fx.Node) -> set[fx.Node]:
-    """The nodes ``node`` is computed from, ``node`` included, not walking past ``stop``."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n is None or n in seen or n is stop:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
-
-
-def _made_from(node: fx.Node | None, source: fx.Node) -> bool:
-    """``node`` is computed from ``source`` and stored tensors alone (a LoRA factor's output
-    scaled, MLA's latent through its norm): no other activation joins it, as the block's
-    residual stream does between a narrow output projection and the next block's matmuls."""
+def _made_from(node: fx.Node | None, source: fx.Node) -> set[fx.Node] | None:
+    """The nodes ``node`` is computed from back to ``source`` when that is ``source`` and
+    stored tensors alone (a LoRA factor's output scaled, MLA's latent through its norm); None
+    when another activation joins it, as the block's residual stream does between a narrow
+    output projection and the next block's matmuls."""
     seen, todo, layer = set(), [node], _layer(source)
     while todo:
         n = todo.pop()
         if n is None or n.op == "placeholder" or (n.op == "call_function" and _layer(n) != layer):
-            return False
+            return None
         if n is source or n in seen or stored_inputs(n) is not None:
             continue
         seen.add(n)  # values only: a view's symbolic sizes come from the inputs' shapes
         todo.extend(a for a in n.all_input_nodes if _data(a.meta.get("val")))
-    return True
+    return seen
 
 
 def _through_down(m: Matmul, by_node: dict) -> list[fx.Node]:
