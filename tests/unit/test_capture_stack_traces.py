@@ -54,3 +54,30 @@ def test_functions_applied_by_other_threads_are_not_recorded():
         line = inspect.currentframe().f_lineno + 1
         cm.StraightThrough.apply(x)
     assert calls == [("StraightThrough", f"{__file__}:{line}")]
+
+
+def _exports_counted(monkeypatch) -> list:
+    calls, export = [], torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or export(*a, **k))
+    return calls
+
+
+def test_in_place_ops_found_after_the_export_cost_a_second_export(monkeypatch):
+    calls = _exports_counted(monkeypatch)
+    capture(cm.SliceAssign(), _x())
+    assert len(calls) == 2  # the first graph shows the writes; exported again with model lines
+
+
+def test_a_module_that_declares_its_in_place_writes_is_exported_once(monkeypatch):
+    # the static-cache wrapper generate captures declares its cache writes
+    from tpcompile.core.capture import IN_PLACE
+    from tpcompile.runtime.static_cache import StaticCacheLM
+
+    assert getattr(StaticCacheLM, IN_PLACE)
+    model = cm.SliceAssign()
+    setattr(model, IN_PLACE, True)
+    calls = _exports_counted(monkeypatch)
+    cap = capture(model, _x())
+    fills = [n for n in cap.gm.graph.nodes if "fill_" in str(n.target)]
+    assert len(calls) == 1
+    assert fills and all("h[..., :2] = 0" in n.meta["stack_trace"] for n in fills)

@@ -49,7 +49,12 @@ from tpcompile.core.capture_checks import (
 )
 from tpcompile.errors import CaptureError
 
-__all__ = ["Capture", "capture", "param_aliases", "concrete_shape"]
+__all__ = ["Capture", "capture", "param_aliases", "concrete_shape", "IN_PLACE"]
+
+# a module's attribute declaring that its forward writes its buffers in place (the static-cache
+# wrapper's KV cache): its one export records the model lines that graphs with in-place ops
+# keep, instead of a second export once the first graph shows the writes
+IN_PLACE = "writes_buffers_in_place"
 
 
 @dataclass
@@ -206,6 +211,7 @@ def capture(model: nn.Module, example_inputs, example_kwargs: dict | None = None
     device = _model_device(model)
     args = tuple(_concrete(x, device) for x in _as_tuple(example_inputs))
     kwargs = {k: _concrete(v, device) for k, v in (example_kwargs or {}).items()}
+    stack_traces = stack_traces or getattr(model, IN_PLACE, False)
     notes: list[str] = []
     if dynamic and (fixed := flex_sizes_fixed(model)):
         dynamic = False

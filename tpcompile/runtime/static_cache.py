@@ -32,6 +32,8 @@ class StaticCacheLM(nn.Module):
     # layer i's cache is kept here, not in block i: tpcompile.core.stamp repeats it with the
     # block when it exports three blocks and stamps the rest
     per_block_attributes = ("key_cache_{}", "value_cache_{}")
+    # the cache writes: export records model lines at once (tpcompile.core.capture.IN_PLACE)
+    writes_buffers_in_place = True
 
     def __init__(self, model: nn.Module, batch: int, max_len: int, gqa_in_sdpa: bool = False):
         super().__init__()
