@@ -111,12 +111,19 @@ def _layers(trace: RewriteTrace) -> dict[str, str]:
 
     A value's own module can sit in the block before: the activation entering layer 3's chains
     is made by layer 2's last norm (BERT), or by the embedding for layer 0. So a chain's entries
-    and exits belong to the chain's layer, then values inside a chain; others go by module.
+    and exits belong to the chain's layer, then values inside a chain; others go by module. A
+    value entering the chains of several layers (a text encoding every block's cross-attention
+    reads) serves none of them alone: it goes by module too, as the bound counts it.
     """
-    layers = {name: c.layer for c in trace.chains for name in c.entries + c.exits}
+    served: dict[str, set] = {}
+    for c in trace.chains:
+        for name in c.entries + c.exits:
+            served.setdefault(name, set()).add(c.layer)
+    layers = {name: next(iter(ls)) for name, ls in served.items() if len(ls) == 1}
     layer_of_chain = {c.name: c.layer for c in trace.chains}
     for name, chain in trace.chain_of.items():
-        layers.setdefault(name, layer_of_chain[chain])
+        if name not in served:
+            layers.setdefault(name, layer_of_chain[chain])
     return layers
 
 
