@@ -52,6 +52,8 @@ def _numerics_rank(rank: int, world_size: int, name: str, double: bool = False) 
         model.double()
         inputs = model.inputs = as_dtype(inputs, torch.float64)
     try:
+        with torch.no_grad():  # as ``measure`` plans it: caches built on a first call are built
+            model(*inputs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             c = compare(model, tpcompile.parallelize(model, inputs), inputs)

@@ -97,7 +97,7 @@ def plan_row(row: dict, model, inputs: tuple, cfg, world_size: int,
                                                   "bound_backward")} for m in outside]
     row["outside_layers"] = _per_layer(row["outside"], ("forward", "backward")) if outside else "-"
     row["not_sharded"] = {f"{fold(w)}: kept whole (Megatron splits it)": report.params[w].reason
-                          for m in layers for w in m.whole if w in report.params}
+                          for m in report.megatron for w in m.whole if w in report.params}
     row["undecided"] = sorted({fold(u) for m in report.megatron for u in m.undecided})
     row["gathers"] = dict(Counter(f"{c.phase} {c.op} ({fold(c.module) or 'top level'})"
                                   for c in report.collectives if c.op != "all_reduce"))
