@@ -176,6 +176,16 @@ def test_a_value_read_only_by_later_blocks_syncs_with_the_first_of_them(results,
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_a_text_encoding_every_block_reads_pays_one_sync(results, ws):
+    """The text stream made by one MLP outside the blocks and read by both image blocks'
+    cross-attention: one forward all-reduce for it and two per image block, one backward
+    sync for it and two per image block (explain files its sync with the code that made it:
+    tests/unit/test_report.py); numerics above."""
+    c = cases(results, ws, "text_encoded_outside_the_blocks")[0]
+    assert c["collectives"] == {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_syncs_that_wait_on_none_of_each_other_share_one_all_reduce(results, ws):
     """Two streams, the first's two MLPs before the second's (LTX-2's video then audio):
     gradient syncs bucketed by their height in the order of waits, two backward all-reduces

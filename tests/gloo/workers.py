@@ -348,6 +348,23 @@ class TextThenImageBlocks(nn.Module):
         return x
 
 
+class TextEncodedOutsideTheBlocks(TextThenImageBlocks):
+    """The text stream made by one MLP outside any block list (Wan's and AnyFlow's text
+    embedder), its output read by each image block's cross-attention: its gradient sync serves
+    no one block and is counted with the code that made it, as the bound counts it (counted
+    under the last block that read it, that block was one backward above the bound)."""
+
+    def __init__(self, dim=32, heads=4, hidden=64):
+        super().__init__(dim, heads, hidden)
+        self.text = _ResidualMlp(dim, hidden)
+
+    def forward(self, x):
+        text = self.text(x.flip(1))
+        for block in self.image:
+            x = block(x, text)
+        return x
+
+
 class TwoStreamsInTurn(nn.Module):
     """Two token streams, each through two residual MLPs, the first stream's both before the
     second's (LTX-2's video, then audio): the MLP inputs of the streams' first sublayers wait
@@ -397,6 +414,7 @@ CASES = {
     "two_streams_in_turn": (TwoStreamsInTurn, {}),
     "latent_attention": (LatentAttention, {}),
     "text_then_image_blocks": (TextThenImageBlocks, {}),
+    "text_encoded_outside_the_blocks": (TextEncodedOutsideTheBlocks, {}),
 }
 
 

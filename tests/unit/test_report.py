@@ -158,51 +158,17 @@ def test_megatron_bound_is_met_and_exceeded_where_it_should_be(llama2, llama4_bf
     assert "-> at the bound\n" in str(over) + "\n"
 
 
-class _CrossAttentionBlock(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x, text):
-        b, n, d = x.shape
-        q, k, v = (p(s).view(b, -1, self.heads, d // self.heads).transpose(1, 2)
-                   for p, s in ((self.q, x), (self.k, text), (self.v, text)))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        x = x + self.o(y.transpose(1, 2).reshape(b, n, d))
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class _TextReadByEveryBlock(nn.Module):
-    """A text embedder MLP outside the blocks whose output each block's cross-attention
-    reads as keys and values (Wan's and AnyFlow's text embedder), and a timestep MLP."""
-
-    def __init__(self, dim=32, heads=4):
-        super().__init__()
-        self.text_in, self.text_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.t_in, self.t_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.blocks = nn.ModuleList(_CrossAttentionBlock(dim, heads) for _ in range(2))
-
-    def forward(self, x, text, t):
-        text = self.text_out(torch.nn.functional.gelu(self.text_in(text)))
-        x = x + self.t_out(torch.nn.functional.silu(self.t_in(t)))
-        for block in self.blocks:
-            x = block(x, text)
-        return x
-
-
 def test_a_value_every_block_reads_is_counted_where_it_is_made_not_in_the_last_block():
-    """The text encoding enters the cross-attention chains of both blocks: its gradient sync
-    serves neither alone and is filed with the code that made it, as the bound counts it
-    (filed under the last block that read it, that block was judged one above the bound)."""
+    """The text encoding enters the cross-attention chains of both image blocks: its gradient
+    sync serves neither alone and is filed with the code that made it, as the bound counts it
+    (filed under the last block that read it, that block was judged one above the bound);
+    its numerics: tests/gloo/test_numerics.py."""
     torch.manual_seed(0)
-    report = tpcompile.explain(_TextReadByEveryBlock(), (torch.randn(2, 8, 32),
-                               torch.randn(2, 6, 32), torch.randn(2, 8, 32)), 2)
+    report = tpcompile.explain(workers.TextEncodedOutsideTheBlocks(), (torch.randn(2, 8, 32),), 2)
     syncs = [c for c in report.collectives if c.phase == "backward"]
-    assert [c.layer for c in syncs if c.module == "text_out"] == [""]
-    assert [(m.layer, m.backward) for m in report.megatron] == [
-        ("blocks.0", 1), ("blocks.1", 2), ("", 1)]
+    assert [c.layer for c in syncs if c.module == "text"] == [""]
+    assert [(m.layer, m.backward, m.bound_backward) for m in report.megatron] == [
+        ("image.0", 2, 2), ("image.1", 2, 2), ("", 1, 1)]
     assert "-> at the bound" in str(report)
 
 
