@@ -85,8 +85,12 @@ def category(r) -> str:
         return f"{s}: {why[:140]}"
     if s == "bound undecided":
         return f"{s}: {r['undecided'][0].split(': ', 1)[-1]}"
+    over = r.get("bytes_over_bound") or 0
     if s == "below bound":
-        return f"{s}: the derived bound misjudges the model (fewer all-reduces run than it counts)"
+        return f"{s}: the derived bound misjudges the model (fewer " + (
+            "bytes" if over < 0 and _counted_alike(r) else "all-reduces") + " run than it counts)"
+    if s == "above bound" and over > 0 and _counted_alike(r) and not r["gathers"]:
+        return f"{s}: the bound's all-reduces, carrying more bytes than its"
     if s == "not sharded":
         return "not sharded: " + (_fold_reason(next(iter(sorted(r["not_sharded"].values())), ""))
                                   [:140] or "no column -> row chain found")
@@ -105,6 +109,13 @@ def category(r) -> str:
     if r["outside_layers"] != "-":
         return f"{s}: collectives outside the layers"
     return s
+
+
+def _counted_alike(r) -> bool:
+    """As many all-reduces as the bound, over the layers and around them."""
+    return all(sum(x[k] for x in r["layers"] + r.get("outside", []))
+               == sum(x[f"bound_{k}"] for x in r["layers"] + r.get("outside", []))
+               for k in ("forward", "backward"))
 
 
 def _reclassify(rows) -> None:

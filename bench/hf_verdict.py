@@ -7,12 +7,13 @@ plan keeps whole), the weights it could not judge (``undecided``) and the parame
 rank of its plan (``param_bytes_ideal``). Nothing here counts collectives of its own.
 
 *status*: ``at bound`` (per layer no more all-reduces than the bound and over the model, the
-code around the layers included, exactly as many, every layer the bound charges paying at
-least one forward, nothing gathered, no fallback, no
+code around the layers included, exactly as many, carrying as many bytes
+(``bytes_over_bound``, not compared where the data decides a size), every layer the bound
+charges paying at least one forward, nothing gathered, no fallback, no
 weight the bound splits kept whole, the largest rank within 1% of the ideal bytes), ``below
-bound`` (all of that but fewer all-reduces than the bound: the bound misjudged the model, a
-row to fix in :mod:`tpcompile.inspect.bound.bound`), ``above bound`` (more all-reduces than the
-bound, or gathers), ``off bound`` (no more collectives, but weights left whole or bytes over
+bound`` (all of that but fewer all-reduces or bytes than the bound: the bound misjudged the
+model, a row to fix in :mod:`tpcompile.inspect.bound.bound`), ``above bound`` (more all-reduces
+or bytes than the bound, or gathers), ``off bound`` (no more collectives, but weights left whole or bytes over
 the ideal), ``bound undecided`` (at the bound for the weights it judged, some not judged),
 ``not sharded`` (no collective at all). A post-LN layer's input-gradient all-reduce is
 counted in the layer before it, or outside the layers for the first (Electra, BERT): the bound
@@ -96,6 +97,9 @@ def plan_row(row: dict, model, inputs: tuple, cfg, world_size: int,
     row["outside"] = [{k: getattr(m, k) for k in ("forward", "backward", "bound_forward",
                                                   "bound_backward")} for m in outside]
     row["outside_layers"] = _per_layer(row["outside"], ("forward", "backward")) if outside else "-"
+    # the collectives' bytes beyond the bound's over the model (None: a size the data decides)
+    row["bytes_over_bound"] = sum(m.bytes - m.bound_bytes for m in report.megatron) \
+        if all(m.bytes_known for m in report.megatron) else None
     row["not_sharded"] = {f"{fold(w)}: kept whole (Megatron splits it)": report.params[w].reason
                           for m in report.megatron for w in m.whole if w in report.params}
     row["undecided"] = sorted({fold(u) for m in report.megatron for u in m.undecided})
@@ -127,8 +131,11 @@ def classify(row) -> str:
             and row["over_ideal"] < OVER_IDEAL:
         if row.get("undecided"):
             return "bound undecided"
-        return "at bound" if _totals(row, "forward") == _totals(row, "bound_forward") and \
-            _totals(row, "backward") == _totals(row, "bound_backward") else "below bound"
+        if _totals(row, "forward") != _totals(row, "bound_forward") or \
+                _totals(row, "backward") != _totals(row, "bound_backward"):
+            return "below bound"
+        over = row.get("bytes_over_bound") or 0  # None: not compared (rows before bytes, too)
+        return "at bound" if over == 0 else "above bound" if over > 0 else "below bound"
     if not any(r["forward"] or r["backward"] for r in layers) and row["outside_layers"] == "-":
         return "not sharded"
     return "above bound" if _above(row) else "off bound"

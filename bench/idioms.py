@@ -18,6 +18,9 @@ are rewritten from the same capture and plan. Per idiom and world size:
   the block input's all-reduce; an MoE is one chain, its experts' partial sums added before
   one all-reduce; a chunk kept whole inside a fused weight or a norm over sharded features
   costs what the idiom's ``Expect`` says);
+* *bytes over bound*: the bytes the plan's collectives carry per step beyond the bytes of the
+  bound derived from the model (:mod:`tpcompile.inspect.bound.bound_bytes`), ``?`` where a
+  size depends on the data (a MoE's routed rows); a row is Megatron's plan only at ``+0``;
 * *not as expected*: parameters whose style is not the expected one, or whose shards differ
   between ranks (every width here divides by 2 and 4); layer and expert indices folded to ``*``;
 * *outside layers*: collectives outside the blocks; *gathers / fallbacks*: every all-gather or
@@ -127,6 +130,10 @@ def measure(name: str, world_size: int) -> dict:
             (m.forward, m.backward) == (expect.fwd_allreduce_per_layer,
                                         expect.bwd_allreduce_per_layer) for m in layers)
             and not any(c.op != "all_reduce" for c in report.collectives)),
+        # the collectives' bytes against the bound's over the model (None: a size the data
+        # decides, a MoE's routed rows)
+        "bytes_over_bound": sum(m.bytes - m.bound_bytes for m in report.megatron)
+        if all(m.bytes_known for m in report.megatron) else None,
         "not_as_expected": wrong,
         "gathers": dict(gathers), "fallbacks": dict(fallbacks),
         "kept_replicated": sorted({f"{_fold(k['module']) or 'top level'}: {k['reason']}"
@@ -181,13 +188,13 @@ def _counted(counter: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| idiom | ranks | status | params / rank (KiB) | ideal (KiB) | over ideal "
-             "| per layer fwd/bwd | derived bound | Megatron bound | outside layers "
-             "| not as expected | gathers / fallbacks | numerics out / grad |",
-             "|---|---:|---|---:|---:|---:|---|---|---|---|---|---|---|"]
+             "| per layer fwd/bwd | derived bound | Megatron bound | bytes over bound "
+             "| outside layers | not as expected | gathers / fallbacks | numerics out / grad |",
+             "|---|---:|---|---:|---:|---:|---|---|---|---:|---|---|---|---|"]
     for r in rows:
         if "per_layer" not in r:  # no plan at all
             lines.append(f"| {r['idiom']} | {r['world_size']} | {r['status']} |  |  |  |  |  "
-                         f"| {r['megatron_bound']} |  |  |  | {r.get('numerics', '-')} |")
+                         f"| {r['megatron_bound']} |  |  |  |  | {r.get('numerics', '-')} |")
             continue
         wrong = "; ".join(sorted(r["not_as_expected"])) or "-"
         extra = "; ".join(filter(None, (_counted(r["gathers"]), _counted(r["fallbacks"])))) or "-"
@@ -195,15 +202,21 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['idiom']} | {r['world_size']} | {r['status']} | "
             f"{_kib(r['param_bytes_max_rank'])} | {_kib(r['param_bytes_ideal'])} | "
             f"{r['over_ideal']:+.1%} | {r['per_layer']} | {r['derived_bound']} | "
-            f"{r['megatron_bound']} | {r['outside_layers']} | {wrong} | {extra} | "
+            f"{r['megatron_bound']} | {_over(r)} | {r['outside_layers']} | {wrong} | {extra} | "
             f"{r.get('numerics', '-')} |")
     return "\n".join(lines)
+
+
+def _over(r: dict) -> str:
+    """The bytes the plan's collectives carry beyond the bound's ('?': sizes the data decides)."""
+    over = r.get("bytes_over_bound")
+    return "?" if over is None else f"{over:+,}"
 
 
 def _matches(r: dict) -> bool:
     """The Megatron plan: its styles, its bytes, its collectives and nothing else."""
     return (r["status"].startswith("ok") and r["at_megatron_bound"] and not r["not_as_expected"]
-            and not r.get("kept_whole")
+            and not r.get("kept_whole") and not r.get("bytes_over_bound")
             and r["over_ideal"] < 0.005 and _numerics_ok(r))
 
 
@@ -221,7 +234,8 @@ def details(rows: list[dict]) -> str:
         elif not _matches(r):
             out.append(f"- **{r['idiom']}**, {r['world_size']} ranks: {r['per_layer']} per layer "
                        f"(Megatron {r['megatron_bound']}, derived from the model "
-                       f"{r['derived_bound']}), {r['over_ideal']:+.1%} parameter bytes")
+                       f"{r['derived_bound']}), {r['over_ideal']:+.1%} parameter bytes, "
+                       f"{_over(r)} bytes of collectives beyond the bound's")
             if not r["status"].startswith("ok"):
                 out.append(f"  - {r['status']}")
             out += [f"  - `{k}`: {why}" for k, why in sorted(r["not_as_expected"].items())]
@@ -250,8 +264,8 @@ def support_table(rows: list[dict]) -> str:
                 cells.append(r["status"])
                 continue
             verdict = "Megatron's plan" if _matches(r) else "off the plan"
-            cells.append(f"{verdict}: {r['per_layer']} AR, {r['over_ideal']:+.0%} bytes, "
-                         f"{r.get('numerics', 'not run')}")
+            cells.append(f"{verdict}: {r['per_layer']} AR ({_over(r)} bytes), "
+                         f"{r['over_ideal']:+.0%} parameter bytes, {r.get('numerics', 'not run')}")
         lines.append(f"| `{name}` | {idioms.STYLES[name]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -295,7 +309,8 @@ def main(argv=None) -> None:
             f"`{COMMAND}` (torch {torch.__version__}, batch {BATCH}, seq {SEQ}, float32; "
             f"zoo/idioms, plans from `tpcompile.explain`, no process group).\n\n"
             f"{matching} of {len(rows)} rows are the Megatron plan: expected styles, bytes at "
-            f"the ideal, all-reduces at the bound, no other collective, and the unsharded "
+            f"the ideal, all-reduces at the bound carrying the bound's bytes (where the data "
+            f"does not decide a size), no other collective, and the unsharded "
             f"model's numbers (relative error <= {TOLERANCE:g}).\n\n{table}\n\n"
             f"## Where a plan is not Megatron's, and the planner's reasons\n\n{details(rows)}\n")
         _write_docs(support_table(rows))

@@ -63,6 +63,7 @@ class LayerTraffic:
     backward: int
     bytes: int
     whole: list = field(default_factory=list)   # weights Megatron splits, kept whole by the plan
+    bytes_known: bool = True  # False when a collective's size depends on the data (routed rows)
     # weights the bound could not judge ("weight: reason", Bound.undecided): the layer's bound
     # counts without them, so a verdict over it names them instead of claiming the bound
     undecided: list = field(default_factory=list)
@@ -161,7 +162,8 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
     def row(layer: str) -> dict:
         return rows.setdefault(layer, dict(layer=layer, chains=[], bound_forward=0,
                                            bound_backward=0, bound_bytes=0, forward=0,
-                                           backward=0, bytes=0, whole=[], undecided=[]))
+                                           backward=0, bytes=0, whole=[], undecided=[],
+                                           bytes_known=True))
 
     out = trace.bound.outside  # a row of its own where the bound or the plan pays there
     outside = [("", out)] if out is not None and (out.forward or out.backward) else []
@@ -181,6 +183,7 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
         r = row(c.layer)
         r[c.phase] += 1
         r["bytes"] += c.bytes or 0
+        r["bytes_known"] &= c.bytes is not None
     options = trace.plan.options
     if "" in rows and (options.vocab_parallel or options.loss_parallel or options.sequence_parallel):
         # the options' own collectives outside the blocks (the masked lookup's all-reduce, the
@@ -192,10 +195,12 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
 
 def bound_verdict(rows: list[LayerTraffic]) -> str:
     """'at the bound' (as many collectives as the bound, layer by layer or moved to the layer
-    before), 'above the bound: ...' with the collectives paid beyond it and the weights Megatron
-    splits that the plan keeps whole, or 'below the bound: ...' (fewer than the bound: the bound
-    is wrong about the model); each followed by the weights the bound could not judge, if any
-    (the plan is at the bound only for the weights it judged)."""
+    before, carrying as many bytes over the model), 'above the bound: ...' with the collectives
+    or bytes paid beyond it and the weights Megatron splits that the plan keeps whole, or
+    'below the bound: ...' (fewer collectives or bytes than the bound: the bound is wrong
+    about the model); each followed by the weights the bound could not judge, if any (the plan
+    is at the bound only for the weights it judged). Bytes are not compared where a
+    collective's size depends on the data (a MoE's routed rows): the verdict says so."""
     forward = sum(max(0, m.forward - m.bound_forward) for m in rows)
     # a post-LN block all-reduces its input's gradient where the block before it (or, for the
     # first, the code outside the blocks) makes that input: a count moves to an earlier block,
@@ -203,20 +208,25 @@ def bound_verdict(rows: list[LayerTraffic]) -> str:
     ordered = [m for m in rows if not m.layer] + [m for m in rows if m.layer]
     backward = max([0, *accumulate(m.backward - m.bound_backward for m in reversed(ordered))])
     whole = [w for m in rows for w in m.whole]
+    known = all(m.bytes_known for m in rows)
+    extra = sum(m.bytes - m.bound_bytes for m in rows) if known else 0
     over = []
     if forward or backward:
         over.append(f"{forward:+d} forward, {backward:+d} backward collectives")
+    if extra > 0:
+        over.append(f"{extra:+,} bytes beyond the bound's {sum(m.bound_bytes for m in rows):,}")
     if whole:
         shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
         over.append(f"{len(whole)} weight tensor(s) Megatron splits kept whole ({shown})")
-    extra = sum(m.bytes - m.bound_bytes for m in rows)
     fewer = [(sum(getattr(m, f"bound_{k}") for m in rows) - sum(getattr(m, k) for m in rows), k)
              for k in ("forward", "backward")]
-    fewer = ", ".join(f"{n} {k}" for n, k in fewer if n > 0)
+    fewer = [f"{n} {k} collectives" for n, k in fewer if n > 0] + (
+        [f"{-extra:,} bytes"] if extra < 0 else [])
     said = ("above the bound: " + "; ".join(over) if over
-            else f"below the bound: {fewer} collectives fewer than the bound derived from the "
+            else f"below the bound: {', '.join(fewer)} fewer than the bound derived from the "
                  "model, which misjudged it" if fewer
-            else "at the bound" + (f" ({extra:+,} bytes)" if extra else ""))
+            else "at the bound" + ("" if known else
+                                   " (bytes not compared: a collective's size depends on the data)"))
     undecided = [u for m in rows for u in m.undecided]
     if undecided:
         said += (f"; {len(undecided)} weight(s) not judged, the bound counts without them: "

@@ -14,7 +14,8 @@ again, until no stage adds anything. Why this order:
   for that, not for its cost;
 - *partials joining shards* is judged once every chain stands: a shard joined in a chain
   about to be killed is no reason to keep a side chain whole;
-- *partials reduced in pieces* merges reductions only of chains that stand as written;
+- *partials reduced in pieces* merges reductions only of chains that stand as written, and
+  *scaled partials* reduces a row-parallel output before a gate with a gradient scales it;
 - *carried sums* carries sums last, on the plan as it stands.
 
 Then :func:`~tpcompile.passes.planner.freeze.freeze` reads the settled state into the plan
@@ -35,6 +36,7 @@ from tpcompile.passes.planner.refine.demands import demands
 from tpcompile.passes.planner.refine.mixed_partials import mixed_partials
 from tpcompile.passes.planner.refine.partials_joining_shards import partials_joining_shards
 from tpcompile.passes.planner.refine.partials_reduced_in_pieces import partials_reduced_in_pieces
+from tpcompile.passes.planner.refine.scaled_partials import scaled_partials
 from tpcompile.passes.planner.refine.stale_ties import stale_ties
 from tpcompile.passes.planner.refine.tied_tables import tied_tables
 from tpcompile.passes.planner.refine.unpaid_chains import unpaid_chains
@@ -50,7 +52,7 @@ REFINEMENTS = (
     ("chains", (dead_chains, written_copies, stale_ties, whole_grads_into_chunks,
                  unpaid_chains)),
     ("joins", (partials_joining_shards,)),
-    ("pieces", (partials_reduced_in_pieces,)),
+    ("pieces", (partials_reduced_in_pieces, scaled_partials)),
     ("carried", (carried_sums,)),
 )
 

@@ -64,6 +64,8 @@ module path up to its first ModuleList index, :func:`~tpcompile.core.block_paths
   pieces' rows whole (``Bound.whole_rows``): their gradient is a partial sum, one backward
   all-reduce of its own; a matmul whose every piece is so is whole. A statistic over all the
   features of one piece (Mamba-2's gated norm over its z piece) counts as one over the matmul.
+* The bytes each all-reduce carries, where a hand plan takes it most cheaply (and the values
+  whose gradients ride in it): :mod:`tpcompile.inspect.bound.bound_bytes`.
 * Ideal parameter bytes per rank: the split weights' bytes / N (their whole rows whole) plus
   the whole ones'.
 
@@ -95,9 +97,12 @@ from torch import fx
 
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
+from tpcompile.inspect.bound.bound_bytes import (
+    downstream, entering, scales, sync_bytes, values_bytes, whole_part_bytes, whole_read,
+)
 from tpcompile.inspect.bound.bound_graph import (
     Matmul, computed_from, find_matmuls, grad_carriers, reach_forward, reduce_points,
-    value_bytes, value_users, whole_read,
+    value_bytes, value_users,
 )
 from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
 from tpcompile.passes.planner.rules.quantized import (
@@ -243,18 +248,29 @@ def _is_up_of_row(node: fx.Node, mms: list[Matmul], role: dict) -> bool:
     return any(m.up is node and role.get(m.node) == "rowwise" for m in mms)
 
 
-def _forward(layer: str, mms: list[Matmul], role: dict) -> tuple[int, int, set]:
-    """(all-reduces, bytes, the partial sums): one per group of rowwise matmuls whose partial
-    sums meet."""
+def _forward(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
+             carriers: set) -> tuple[int, int, set, list]:
+    """(all-reduces, bytes, the partial sums, the values scaling them before their
+    all-reduce): one per group of rowwise matmuls whose partial sums meet. A group of one
+    matmul is reduced at its output or where its sum leaves, whichever costs fewer bytes with
+    the scales' gradients (an adaLN-Zero gate: at the output)."""
     rows = [m.node for m in mms if role.get(m.node) == "rowwise"]
-    carriers = {m.node for m in mms if role.get(m.node) == "whole" and _is_up_of_row(m.node, mms, role)}
-    reach = {r: reach_forward(r, layer, carriers) for r in rows}
+    through = {m.node for m in mms if role.get(m.node) == "whole" and _is_up_of_row(m.node, mms, role)}
+    reach = {r: reach_forward(r, layer, through) for r in rows}
     groups: list[set] = []
     for r in rows:  # union rows whose sums meet
         joined = [g for g in groups if any(reach[r] & reach[o] for o in g)]
         groups = [g for g in groups if g not in joined] + [{r}.union(*joined)]
-    return (len(groups), sum(_reduced_bytes(set().union(*(reach[r] for r in g))) for g in groups),
-            set().union(*reach.values()))
+    partial = set().union(*reach.values())
+    total, scaled = 0, []
+    for g in groups:
+        summed = set().union(*(reach[r] for r in g))
+        found = scales(summed, carriers)
+        late = _reduced_bytes(summed) + values_bytes(found, layer, trainable, partial)
+        early = value_bytes(next(iter(g))) if len(g) == 1 else None
+        total += late if early is None or late < early else early
+        scaled += found if early is None or late < early else []
+    return len(groups), total, partial, scaled
 
 
 def _reduced_bytes(reach: set) -> int:
@@ -265,7 +281,7 @@ def _reduced_bytes(reach: set) -> int:
 
 
 def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
-           world_size: int, carriers: set) -> BlockBound:
+           world_size: int, carriers: set, priced: set) -> BlockBound:
     """Forward groups and statistics; backward activations and statistics' gradients. The
     whole weights read where features are cut add bytes, not an all-reduce: they are read
     after a colwise matmul, so their partial gradients ride in that matmul's input sync (an
@@ -274,9 +290,17 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     cut by query heads reads: partial on each rank, summed as its output's gradient or its
     weight's, whichever is smaller. A colwise weight with whole rows (``whole_rows``) adds one
     all-reduce of those rows' gradient."""
-    forward, forward_bytes, partial = _forward(layer, mms, role)
+    forward, forward_bytes, partial, scaled = _forward(layer, mms, role, trainable, carriers)
     cols = [m for m in mms if role.get(m.node) == "colwise"]
-    syncs = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial)
+    groups = _input_syncs(layer, [m for m in cols if m.activation in carriers], partial)
+    # a value made outside the block and read by several blocks (a text encoding every block's
+    # cross-attention reads) is summed once: its bytes count in the first block that reads it
+    shared = [frozenset(m.activation for m in members) for members, _ in groups]
+    shared = {i: key for i, key in enumerate(shared) if all(block_path(module_path(a)) != layer
+                                                            for a in key)}
+    again = {i for i, key in shared.items() if key in priced}
+    priced |= set(shared.values())
+    syncs = {points[0]: members for members, points in groups}
     roots = set(syncs)
     stats = {s for m in cols for s in m.statistics}
     # statistics' gradients (of the matmuls backward reaches): one all-reduce per colwise
@@ -286,21 +310,31 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     grad_stats = {s for group in syncs.values() for m in group for s in m.statistics}
     # ready together as their input syncs are (a cross-attention's q and k norms): one round
     stat_syncs = {r: group for r, group in syncs.items() if any(m.statistics for m in group)}
-    whole = whole_read(layer, cols, mms, trainable)
+    whole = whole_read(layer, cols, mms, trainable, world_size)
     fused = [(m, whole_rows(m, world_size)) for m in cols]
     fused = [_weight_bytes(m) * rows // m.out_features for m, rows in fused if rows]
-    kv = [min(value_bytes(m.node), _weight_bytes(m)) for m in mms if role.get(m.node) == "whole"
-          and m.heads is not None and m.heads < world_size and set(m.weights) & trainable
+    kv = [m for m in mms if role.get(m.node) == "whole" and m.heads is not None
+          and m.heads < world_size and set(m.weights) & trainable
           and any(role.get(d) == "rowwise" for d in m.downstream)]  # read by the cut heads
+    by_node = {m.node: m for m in mms}
+    enter = entering(layer, cols, mms, carriers,
+                     downstream([m.node for m in kv], layer, by_node)) if roots else []
     return BlockBound(layer, forward + len(stats),
                       _sync_rounds(syncs) + _sync_rounds(stat_syncs)
                       + bool((whole or kv) and not roots) + len(fused),
                       forward_bytes + sum(value_bytes(n) for n in stats)
-                      + sum(value_bytes(n) for n in roots | grad_stats)
-                      + sum(value_bytes(w) for w in whole) + sum(fused) + sum(kv),
+                      + sum(sync_bytes([m.activation for m in members], points, layer,
+                                       trainable, partial)
+                            for i, (members, points) in enumerate(groups) if i not in again)
+                      + values_bytes(enter, layer, trainable, partial)
+                      + sum(value_bytes(n) for n in grad_stats)
+                      + sum(value_bytes(w) for w in whole) + sum(fused)
+                      + (whole_part_bytes(layer, cols, mms, trainable, world_size) if fused else 0)
+                      + sum(min(value_bytes(m.node), _weight_bytes(m)) for m in kv),
                       tuple(sorted({w.target for w in whole})),
                       {"forward": tuple(sorted(n.name for n in partial | stats)),
-                       "backward": tuple(sorted(n.name for n in roots | grad_stats))})
+                       "backward": tuple(sorted(n.name for n in roots | grad_stats
+                                               | set(enter) | set(scaled)))})
 
 
 def _weight_bytes(m: Matmul) -> int:
@@ -308,12 +342,12 @@ def _weight_bytes(m: Matmul) -> int:
     return m.node.meta["val"].dtype.itemsize * m.in_features * m.out_features
 
 
-def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
-    """The backward all-reduces of the colwise matmuls' inputs: value -> the matmuls whose
-    input gradients it sums. Inputs that share a reduce point (:func:`reduce_points`) share
-    one all-reduce, at the nearest point they share (q, k and v at their norm's output; an MLA
-    block's q and kv paths, through their whole down factors, at the block's norm; a parallel
-    block's two norms at the block's input)."""
+def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> list[tuple[list, list]]:
+    """The backward all-reduces of the colwise matmuls' inputs: (the matmuls whose input
+    gradients one sums, the values it may sum them at, nearest first). Inputs that share a
+    reduce point (:func:`reduce_points`) share one all-reduce (q, k and v at their norm's
+    output; an MLA block's q and kv paths, through their whole down factors, at the block's
+    norm; a parallel block's two norms at the block's input)."""
     groups: list[tuple[list, list]] = []  # (matmuls, the points they all share)
     for m in cols:
         points = reduce_points(m.activation, layer, partial)
@@ -323,7 +357,7 @@ def _input_syncs(layer: str, cols: list[Matmul], partial: set) -> dict:
         else:
             shared[0].append(m)
             shared[1][:] = [p for p in shared[1] if p in points]
-    return {points[0]: members for members, points in groups}
+    return groups
 
 
 def _sync_rounds(syncs: dict) -> int:
@@ -367,7 +401,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
     by_layer: dict[str, list[Matmul]] = {}
     for m in mms:
         by_layer.setdefault(block_path(module_path(m.node)), []).append(m)
-    styles, reasons, blocks, whole_part = {}, {}, {}, {}
+    styles, reasons, blocks, whole_part, priced = {}, {}, {}, {}, set()
     # an inference-only capture (custom autograd Functions under no_grad) runs no backward
     trainable = frozenset() if cap.inference_only else cap.trainable
     carriers = grad_carriers(cap.gm, trainable)  # inputs whose gradient anything asks
@@ -385,7 +419,7 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
                 styles[b] = "colwise" if style == "colwise" else "whole"
                 if styles[b] == "whole":
                     reasons[b] = why.get(m.node, "a row-parallel matmul's bias is added after the sum")
-        blocks[layer] = _block(layer, group, role, trainable, world_size, carriers)
+        blocks[layer] = _block(layer, group, role, trainable, world_size, carriers, priced)
         for m in group:
             rows = whole_rows(m, world_size) if role[m.node] == "colwise" else 0
             for w in m.weights + m.biases if rows else ():

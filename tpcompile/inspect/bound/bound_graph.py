@@ -28,15 +28,16 @@ from tpcompile.passes.planner.rules import is_param_matmul
 from tpcompile.passes.planner.rules.table import is_attention, is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["Matmul", "computed_from", "find_matmuls", "grad_carriers", "reach_forward", "reduce_points",
-           "value_bytes", "value_users", "whole_read"]
+__all__ = ["Matmul", "computed_from", "differentiable", "find_matmuls", "grad_carriers", "is_product", "layer_of",
+           "reach_forward", "reduce_points", "sizes", "value_bytes", "value_users"]
 
 aten = torch.ops.aten
 # ops linear in a partial sum: it stays a sum of the ranks' pieces through them
 _SUMS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.mul.Tensor,
          aten.div.Tensor,
          aten.neg.default, aten.index.Tensor, aten.index_add.default, aten.index_put.default,
-         aten.scatter_add.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
+         aten.scatter_add.default, aten._to_copy.default, aten.to.dtype, aten.type_as.default,
+         aten.clone.default,
          aten.sum.dim_IntList, aten.dropout.default}
 # ops that join partial sums into one (each expert's rows of a looped MoE's output): still a sum
 _JOINS = {aten.cat.default, aten.vstack.default, aten.hstack.default}
@@ -49,6 +50,8 @@ _UNARY = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.
           aten.tanh.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
 # ops that only look at a value (export's dtype and device checks): no use of it
 _CHECKS = {aten._assert_tensor_metadata.default}
+# matmuls of two values (:func:`is_product`)
+_PRODUCTS = {aten.einsum.default, aten.bmm.default, aten.matmul.default, aten.mm.default}
 _SINK = "sink"  # where reduce_points' paths end
 _SIZES = (torch.SymInt, torch.SymFloat, int, float)  # a size read's value
 # extrema, and the ops through which an extremum stays one (rules/extrema.py plans alike)
@@ -78,7 +81,7 @@ class Matmul:
     parts: tuple = ()        # (features, heads) of the pieces its output is cut into
 
 
-def _sizes(node: fx.Node) -> list[int | None]:
+def sizes(node: fx.Node) -> list[int | None]:
     """Its value's sizes at the example's inputs; None for a size with no example value."""
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
@@ -87,8 +90,8 @@ def _sizes(node: fx.Node) -> list[int | None]:
 
 
 def _numel(node: fx.Node) -> int | None:
-    sizes = _sizes(node)
-    return None if None in sizes else math.prod(sizes)
+    dims = sizes(node)
+    return None if None in dims else math.prod(dims)
 
 
 def value_bytes(node: fx.Node) -> int:
@@ -98,8 +101,8 @@ def value_bytes(node: fx.Node) -> int:
 
 
 def _last(node: fx.Node) -> int | None:
-    sizes = _sizes(node)
-    return sizes[-1] if sizes else 1
+    dims = sizes(node)
+    return dims[-1] if dims else 1
 
 
 def _matmul(node: fx.Node) -> Matmul | None:
@@ -120,7 +123,7 @@ def _matmul(node: fx.Node) -> Matmul | None:
                   [leaf.target for _, f in stored[1:] for leaf in f[0]], act, in_f, out_f)
 
 
-def _layer(node: fx.Node) -> str:
+def layer_of(node: fx.Node) -> str:
     return block_path(module_path(node))
 
 
@@ -130,7 +133,7 @@ def _nearest(m: Matmul, by_node: dict, layer: str, up: bool) -> list[fx.Node]:
     todo = [m.activation] if up else list(m.node.users)
     while todo:
         n = todo.pop()
-        if n in seen or n.op in ("placeholder", "get_attr", "output") or _layer(n) != layer:
+        if n in seen or n.op in ("placeholder", "get_attr", "output") or layer_of(n) != layer:
             continue
         seen.add(n)
         other = by_node.get(n)
@@ -149,7 +152,7 @@ def _reaches(node: fx.Node, layer: str, by_node: dict, target) -> bool:
     seen, todo = set(), list(node.users)
     while todo:
         n = todo.pop()
-        if n in seen or n in by_node or n.op == "output" or _layer(n) != layer:
+        if n in seen or n in by_node or n.op == "output" or layer_of(n) != layer:
             continue
         seen.add(n)
         if n.op == "call_function" and n.target is target:
@@ -169,12 +172,12 @@ def _heads(node: fx.Node, features: int, rank: int) -> int | None:
     todo = [node]
     while todo:
         n = todo.pop()
-        dims = _sizes(n)
+        dims = sizes(n)
         for k in range(len(dims) - 2, 0, -1) if len(dims) > rank else ():
             if None not in dims[k:] and math.prod(dims[k:]) == features:
                 return math.prod(dims[k:-1])
         todo.extend(u for u in n.users if is_view(u) or (
-            u.target in _SUMS and _sizes(u) == dims))
+            u.target in _SUMS and sizes(u) == dims))
     return None
 
 
@@ -187,7 +190,7 @@ def _is_piece(n: fx.Node) -> bool:
             n.args[0], "target", None) in _SPLITS):
         return False
     cut = n.args[0] if n.target is operator.getitem else n
-    dims = _sizes(src)
+    dims = sizes(src)
     at = 2 if cut.target in (aten.split_with_sizes.default, aten.split.Tensor,
                              aten.chunk.default) else 1  # where the op takes its dim
     dim = cut.args[at] if len(cut.args) > at and cut.target is not aten.index.Tensor else 0
@@ -206,7 +209,7 @@ def _channelwise(n: fx.Node) -> bool:
     if n.target in _UNARY:
         return True
     return n.target is aten.conv1d.default and len(n.args) > 6 and \
-        n.args[6] == _sizes(n.args[0])[1]
+        n.args[6] == sizes(n.args[0])[1]
 
 
 def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | None], ...]:
@@ -225,7 +228,7 @@ def _parts(m: Matmul, node: fx.Node, features: int) -> tuple[tuple[int, int | No
         seen.add(n)
         f = (_numel(n) or 0) * m.in_features // act
         if _is_piece(n) and 0 < f < features:
-            heads = _heads(n, f, len(_sizes(m.node)))
+            heads = _heads(n, f, len(sizes(m.node)))
             out += [(f, heads)] if heads is not None else list(_parts(m, n, f)) or [(f, None)]
         elif _is_piece(n) or n.target in _SPLITS or is_view(n) or (
                 node is not m.node and _channelwise(n)) or (
@@ -256,7 +259,7 @@ def _statistics(m: Matmul) -> tuple[fx.Node, ...]:
             out.append(n)
         elif is_view(n) or n.target in _SUMS | _SPLITS | _UNARY or _is_piece(n) \
                 or n.target is aten.pow.Tensor_Scalar or _value_operand(n) is not None:
-            if _value_operand(n) is not None and len(dims := _sizes(n)) == 4:
+            if _value_operand(n) is not None and len(dims := sizes(n)) == 4:
                 widths.add((dims[1] or 0) * (dims[3] or 0))  # (B, heads, T, D) -> heads x D
             # attention's output is cut by heads from its value or its query (whole kv heads
             # under GQA with fewer kv heads than ranks)
@@ -308,10 +311,10 @@ def find_matmuls(cap: Capture, low_rank: int) -> list[Matmul]:
     mms = [m for n in cap.gm.graph.nodes if is_param_matmul(n) for m in [_matmul(n)] if m]
     by_node = {m.node: m for m in mms}
     for m in mms:
-        layer = _layer(m.node)
+        layer = layer_of(m.node)
         m.downstream = _nearest(m, by_node, layer, up=False)
         m.router = _reaches(m.node, layer, by_node, aten.topk.default)
-        m.heads = _heads(m.node, m.out_features, len(_sizes(m.node)))
+        m.heads = _heads(m.node, m.out_features, len(sizes(m.node)))
         m.parts = _parts(m, m.node, m.out_features)
         m.statistics = _statistics(m)
     for m in mms:  # pair low-rank factors before the upstream walk passes through them
@@ -345,10 +348,10 @@ def _made_from(node: fx.Node | None, source: fx.Node) -> set[fx.Node] | None:
     stored tensors alone (a LoRA factor's output scaled, MLA's latent through its norm); None
     when another activation joins it, as the block's residual stream does between a narrow
     output projection and the next block's matmuls."""
-    seen, todo, layer = set(), [node], _layer(source)
+    seen, todo, layer = set(), [node], layer_of(source)
     while todo:
         n = todo.pop()
-        if n is None or n.op == "placeholder" or (n.op == "call_function" and _layer(n) != layer):
+        if n is None or n.op == "placeholder" or (n.op == "call_function" and layer_of(n) != layer):
             return None
         if n is source or n in seen or stored_inputs(n) is not None:
             continue
@@ -359,7 +362,7 @@ def _made_from(node: fx.Node | None, source: fx.Node) -> set[fx.Node] | None:
 
 def _through_down(m: Matmul, by_node: dict) -> list[fx.Node]:
     """``m``'s nearest upstream matmuls, a down factor replaced by what it reads from."""
-    out, layer = [], _layer(m.node)
+    out, layer = [], layer_of(m.node)
     for n in _nearest(m, by_node, layer, up=True):
         down = by_node[n]
         out += _through_down(down, by_node) if down.up is not None else [n]
@@ -383,11 +386,18 @@ def reach_forward(node: fx.Node, layer: str, carriers: set) -> set[fx.Node]:
             continue
         reach.add(n)
         users = value_users(n)
-        if all(u.op == "call_function" and _layer(u) == layer
-               and (u in carriers or u.target in _SUMS | _JOINS or is_view(u))
+        if all(u.op == "call_function" and layer_of(u) == layer
+               and (u in carriers or u.target in _SUMS | _JOINS or is_view(u) or is_product(u))
                for u in users):
             todo.extend(users)
     return reach
+
+
+def is_product(n: fx.Node) -> bool:
+    """A matmul of two computed values (a MoE's combine ``einsum("etd,te->td", out, gates)``):
+    linear in each, so a partial sum times a whole value stays a sum."""
+    return n.target in _PRODUCTS and not any(
+        stored_inputs(a) is not None for a in n.all_input_nodes)
 
 
 def computed_from(nodes: list[fx.Node], order: dict, until: int) -> set[fx.Node]:
@@ -430,11 +440,11 @@ def reduce_points(node: fx.Node, layer: str, stop: set) -> list[fx.Node]:
         n = todo.pop()
         if n.op == "placeholder":  # the caller's data: no gradient is asked of it
             continue
-        if n in stop or n.op != "call_function" or _layer(n) != layer:
+        if n in stop or n.op != "call_function" or layer_of(n) != layer:
             graph.add_edge(n, _SINK)
             continue
-        for a in n.all_input_nodes:
-            if stored_inputs(a) is None and _differentiable(a.meta.get("val")):
+        for a in () if any_placement(n) else n.all_input_nodes:  # a fresh buffer: no data
+            if stored_inputs(a) is None and differentiable(a.meta.get("val")):
                 if a not in graph:
                     todo.append(a)
                 graph.add_edge(n, a)
@@ -456,41 +466,8 @@ def _data(val) -> bool:
         val.dtype not in (torch.bool, torch.int64) and not val.is_complex()))
 
 
-def _differentiable(val) -> bool:
+def differentiable(val) -> bool:
     """A floating-point value, or a tuple of them (a split's pieces)."""
     if isinstance(val, (tuple, list)):
-        return any(_differentiable(v) for v in val)
+        return any(differentiable(v) for v in val)
     return isinstance(val, torch.Tensor) and val.is_floating_point()
-
-
-def whole_read(layer: str, cols: list[Matmul], mms: list[Matmul],
-               trainable: frozenset) -> list[fx.Node]:
-    """Trainable tensors other than matmul weights that are read where ``cols``' cut features
-    flow (up to the next matmul) and have no dim of a cut size (``cols``' output features or
-    heads), so Megatron keeps them whole: a per-head q / k norm's weight. Their gradients
-    are partial sums. (A tensor with a cut size, a norm's gain over the cut features or
-    Mamba's per-channel ``A_log``, is cut with them; a size equal to both the heads and the
-    head dim is taken for the head dim.)"""
-    by_node = {m.node: m for m in mms}
-    features = {m.out_features for m in cols}
-    heads = {m.heads: m.out_features for m in cols if m.heads}
-
-    def cut(sizes: list) -> bool:  # a 1-D tensor of heads == head dim is taken for the latter
-        return bool(features & set(sizes)) or any(
-            h in sizes and (len(sizes) > 1 or h * h != f) for h, f in heads.items())
-
-    reached, todo = set(), [u for c in cols for u in c.node.users]
-    while todo:
-        n = todo.pop()
-        if n in reached or n in by_node or n.op != "call_function" or _layer(n) != layer:
-            continue
-        reached.add(n)
-        todo.extend(n.users)
-    out = {}
-    for n in reached:
-        for a in n.all_input_nodes:
-            found = stored_inputs(a)
-            for leaf in found[0] if found else ():
-                if leaf.target in trainable and not cut(_sizes(leaf)):
-                    out[leaf.target] = leaf
-    return list(out.values())
