@@ -125,7 +125,11 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
     ref = copy.deepcopy(model) if copy_model else model
     kwargs = kwargs or {}
     loss_fns = losses or (_loss, _loss)
-    out_ref, out = ref(*inputs, **kwargs), tp(*inputs, **kwargs)
+    # both calls draw the same random numbers (a DiT's class-label dropout in train mode)
+    rng = torch.random.get_rng_state()
+    out_ref = ref(*inputs, **kwargs)
+    torch.random.set_rng_state(rng)
+    out = tp(*inputs, **kwargs)
     loss_ref, loss = loss_fns[0](out_ref), loss_fns[1](out)
     out_err = rel_err(loss, loss_ref) if losses else rel_err(_first(out), _first(out_ref))
     loss_ref.backward()
@@ -142,7 +146,9 @@ def compare(model: nn.Module, tp: nn.Module, inputs: tuple, steps: int = 0, lr: 
         opts = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (ref, tp)]
         for i in range(steps):
             if i:
+                rng = torch.random.get_rng_state()
                 for m, loss_fn in zip((ref, tp), loss_fns):
+                    torch.random.set_rng_state(rng)
                     m.zero_grad()
                     loss_fn(m(*inputs, **kwargs)).backward()
             for o in opts:
