@@ -49,6 +49,11 @@ REFUSED = {("pretrained", "hf_encoder"): _NOT_CAUSAL, ("pretrained", "hf_encdec"
 # the backend runs the model unchanged, warned and reported: torchao's weights are tensor
 # subclasses, stored under other names once sharded, and the backend swaps shards in by name
 DECLINED = {("backend", "quantized"): "stored under other names once sharded"}
+# explain's verdict: the bound's all-reduces, carrying more bytes. T5 keeps its relative
+# position bias table whole, and the gradient of its lookup rides in the first encoder and
+# decoder blocks' input syncs (+1,424 bytes at 2 ranks), where the bound cuts it with the
+# heads (the idiom t5_relative_bias is planned so)
+MORE_BYTES = {("eager", "hf_encdec")}
 
 CELLS = [(e, s) for s in SOURCES for e in ENTRIES if e != "pretrained" or s in PRETRAINED]
 
@@ -84,7 +89,12 @@ def test_each_cell_is_sharded_and_exact_or_names_why(results, ws, entry, source)
         assert cell["output_err"] <= 1e-5, (rank, cell)
         assert cell["grad_err"] is None or cell["grad_err"] <= 1e-5, (rank, cell)
         assert cell.get("tokens_equal", True), (rank, cell)
-        assert cell.get("verdict", "at the bound").startswith("at the bound"), (rank, cell)
+        verdict = cell.get("verdict", "at the bound")
+        if key in MORE_BYTES:
+            assert verdict.startswith("above the bound: +") and "collectives" not in verdict, (
+                rank, cell)
+        else:
+            assert verdict.startswith("at the bound"), (rank, cell)
 
 
 def matrix_table() -> str:
@@ -96,7 +106,8 @@ def matrix_table() -> str:
         ran = {"eager": "sharded, exact, at the bound", "pretrained": "sharded, same tokens"}
         said = (f"refused: {REFUSED[cell].split(':')[0]}" if cell in REFUSED else
                 "runs unchanged, warned: " + DECLINED[cell] if cell in DECLINED else
-                ran.get(cell[0], "sharded, exact"))
+                "sharded, exact, the bound's all-reduces with more bytes" if cell in MORE_BYTES
+                else ran.get(cell[0], "sharded, exact"))
         return said + (" (CI)" if cell in CI else "")
     lines = ["| source | " + " | ".join(ENTRIES) + " |", "|---|" + "---|" * len(ENTRIES)]
     lines += [f"| {s} | " + " | ".join(outcome((e, s)) for e in ENTRIES) + " |" for s in SOURCES]
