@@ -69,11 +69,12 @@ _runs = LaunchedOnDemand(lambda key: run_on_ranks(f"{BODIES}:titan_cases", key[0
 @pytest.mark.parametrize("kind,world_size", [(k, ws) for k in KINDS for ws in (2, 4)])
 def test_planned_at_the_bound(kind, world_size):
     import tpcompile
+    from tpcompile.inspect.traffic import bound_verdict
 
     model, inputs, kwargs = flex_models.torchtitan(kind)
     report = tpcompile.explain(model, inputs, world_size, example_kwargs=kwargs)
     assert not report.fallbacks, report.fallbacks
-    verdict = str(report).split("-> ")[-1]
+    verdict = bound_verdict(report.megatron)
     if kind in MORE_BYTES:
         assert verdict.startswith("above the bound: +") and "collectives" not in verdict, verdict
     else:

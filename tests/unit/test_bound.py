@@ -184,12 +184,13 @@ def test_syncs_that_wait_through_the_models_own_code_are_not_bucketed():
     pytest.importorskip("transformers")
     from bench.hf_configs import build, example_ids
     from tpcompile.inspect.explain.explain import explain
+    from tpcompile.inspect.traffic import bound_verdict
 
     model, ids = build("DoryForCausalLM"), example_ids()
     assert _counts(megatron_bound(captured(model, (ids,)), 2)) == {(8, 8)}
     # as many collectives as the bound; the bytes of nGPT's per-head sqk, kept whole (as in
     # the idiom qk_normalize_per_head, tests/gloo/test_idioms.py's BYTES_OVER_BOUND), beyond it
-    verdict = str(explain(model, (ids,), world_size=2)).split("-> ")[-1]
+    verdict = bound_verdict(explain(model, (ids,), world_size=2).megatron)
     assert verdict.startswith("above the bound: +512 bytes beyond"), verdict
 
 
