@@ -9,7 +9,7 @@ from collections import Counter
 
 from bench.hf_configs import HEADS, HIDDEN, INTER, LAYERS, VOCAB
 from bench.hf_numerics import TOLERANCE
-from bench.hf_verdict import classify, fold, in_block
+from bench.hf_verdict import classify, fold, in_block, totals
 
 COMMAND = "nice -n 19 python -m bench.hf_sweep --numerics --jobs 2"
 
@@ -113,9 +113,7 @@ def category(r) -> str:
 
 def _counted_alike(r) -> bool:
     """As many all-reduces as the bound, over the layers and around them."""
-    return all(sum(x[k] for x in r["layers"] + r.get("outside", []))
-               == sum(x[f"bound_{k}"] for x in r["layers"] + r.get("outside", []))
-               for k in ("forward", "backward"))
+    return all(totals(r, k) == totals(r, f"bound_{k}") for k in ("forward", "backward"))
 
 
 def _reclassify(rows) -> None:

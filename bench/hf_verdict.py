@@ -80,6 +80,8 @@ def plan_row(row: dict, model, inputs: tuple, cfg, world_size: int,
     the weights it splits that the plan keeps whole, those it could not judge, gathers,
     fallbacks and the status (``classify``). ``cfg`` answers ``num_hidden_layers``; a failure
     to plan is the row's status."""
+    from tpcompile.inspect.traffic import bytes_over_bound
+
     report, row = _explain(row, model, inputs, world_size, example_kwargs)
     if report is None:
         return row
@@ -98,8 +100,7 @@ def plan_row(row: dict, model, inputs: tuple, cfg, world_size: int,
                                                   "bound_backward")} for m in outside]
     row["outside_layers"] = _per_layer(row["outside"], ("forward", "backward")) if outside else "-"
     # the collectives' bytes beyond the bound's over the model (None: a size the data decides)
-    row["bytes_over_bound"] = sum(m.bytes - m.bound_bytes for m in report.megatron) \
-        if all(m.bytes_known for m in report.megatron) else None
+    row["bytes_over_bound"] = bytes_over_bound(report.megatron)
     row["not_sharded"] = {f"{fold(w)}: kept whole (Megatron splits it)": report.params[w].reason
                           for m in report.megatron for w in m.whole if w in report.params}
     row["undecided"] = sorted({fold(u) for m in report.megatron for u in m.undecided})
@@ -131,8 +132,8 @@ def classify(row) -> str:
             and row["over_ideal"] < OVER_IDEAL:
         if row.get("undecided"):
             return "bound undecided"
-        if _totals(row, "forward") != _totals(row, "bound_forward") or \
-                _totals(row, "backward") != _totals(row, "bound_backward"):
+        if totals(row, "forward") != totals(row, "bound_forward") or \
+                totals(row, "backward") != totals(row, "bound_backward"):
             return "below bound"
         over = row.get("bytes_over_bound") or 0  # None: not compared (rows before bytes, too)
         return "at bound" if over == 0 else "above bound" if over > 0 else "below bound"
@@ -155,7 +156,7 @@ def _backward_within_bound(layers) -> bool:
     return True
 
 
-def _totals(row, key: str) -> int:
+def totals(row, key: str) -> int:
     """All-reduces over the layers and around them (``key`` a plan count or a bound's)."""
     return sum(r[key] for r in row["layers"] + row.get("outside", []))
 
@@ -167,7 +168,7 @@ def _outside_layers_within_bound(row) -> bool:
     where that input is made, after the embeddings (outside every layer), so the first layer
     shows 2/1 and "outside" 0/1: the same count as Megatron's 2/2, attributed to the node in
     front of the layer. The totals over layers and outside must stay within the bound's."""
-    return all(_totals(row, k) <= _totals(row, f"bound_{k}") for k in ("forward", "backward"))
+    return all(totals(row, k) <= totals(row, f"bound_{k}") for k in ("forward", "backward"))
 
 
 def _above(row) -> bool:

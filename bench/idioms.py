@@ -52,6 +52,7 @@ import tpcompile
 from bench.memory import ideal_split
 from tpcompile.inspect.explain.explain import report_of
 from tpcompile.inspect.trace import rewrite_rank, trace_rewrite
+from tpcompile.inspect.traffic import bytes_over_bound
 from tpcompile.tools.launch import run_on_ranks
 from zoo import idioms
 
@@ -132,8 +133,7 @@ def measure(name: str, world_size: int) -> dict:
             and not any(c.op != "all_reduce" for c in report.collectives)),
         # the collectives' bytes against the bound's over the model (None: a size the data
         # decides, a MoE's routed rows)
-        "bytes_over_bound": sum(m.bytes - m.bound_bytes for m in report.megatron)
-        if all(m.bytes_known for m in report.megatron) else None,
+        "bytes_over_bound": bytes_over_bound(report.megatron),
         "not_as_expected": wrong,
         "gathers": dict(gathers), "fallbacks": dict(fallbacks),
         "kept_replicated": sorted({f"{_fold(k['module']) or 'top level'}: {k['reason']}"

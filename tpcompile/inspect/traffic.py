@@ -33,7 +33,7 @@ from tpcompile.inspect.trace import RewriteTrace, concrete_shape, module_path, s
 
 __all__ = ["CollectiveEntry", "LayerTraffic", "list_collectives", "megatron_comparison", "nbytes",
            "dtype_name",
-           "bound_verdict"]
+           "bound_verdict", "bytes_over_bound"]
 
 @dataclass(frozen=True)
 class CollectiveEntry:
@@ -193,6 +193,14 @@ def megatron_comparison(trace: RewriteTrace, collectives: list[CollectiveEntry])
     return [LayerTraffic(**rows[k]) for k in sorted(rows, key=_layer_order)]
 
 
+def bytes_over_bound(rows: list[LayerTraffic]) -> int | None:
+    """The bytes the plan's collectives carry beyond the bound's over the model; None when a
+    collective's size depends on the data (a MoE's routed rows): not compared."""
+    if not all(m.bytes_known for m in rows):
+        return None
+    return sum(m.bytes - m.bound_bytes for m in rows)
+
+
 def bound_verdict(rows: list[LayerTraffic]) -> str:
     """'at the bound' (as many collectives as the bound, layer by layer or moved to the layer
     before, carrying as many bytes over the model), 'above the bound: ...' with the collectives
@@ -208,8 +216,8 @@ def bound_verdict(rows: list[LayerTraffic]) -> str:
     ordered = [m for m in rows if not m.layer] + [m for m in rows if m.layer]
     backward = max([0, *accumulate(m.backward - m.bound_backward for m in reversed(ordered))])
     whole = [w for m in rows for w in m.whole]
-    known = all(m.bytes_known for m in rows)
-    extra = sum(m.bytes - m.bound_bytes for m in rows) if known else 0
+    over_bytes = bytes_over_bound(rows)
+    known, extra = over_bytes is not None, over_bytes or 0
     over = []
     if forward or backward:
         over.append(f"{forward:+d} forward, {backward:+d} backward collectives")

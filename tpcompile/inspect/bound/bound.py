@@ -98,7 +98,7 @@ from torch import fx
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound.bound_bytes import (
-    downstream, entering, scales, sync_bytes, values_bytes, whole_part_bytes, whole_read,
+    cut_region, entering, scales, sync_bytes, values_bytes, whole_part_bytes, whole_read,
 )
 from tpcompile.inspect.bound.bound_graph import (
     Matmul, computed_from, find_matmuls, grad_carriers, reach_forward, reduce_points,
@@ -318,7 +318,7 @@ def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
           and any(role.get(d) == "rowwise" for d in m.downstream)]  # read by the cut heads
     by_node = {m.node: m for m in mms}
     enter = entering(layer, cols, mms, carriers,
-                     downstream([m.node for m in kv], layer, by_node)) if roots else []
+                     {m.node for m in kv} | cut_region(layer, kv, by_node)) if roots else []
     return BlockBound(layer, forward + len(stats),
                       _sync_rounds(syncs) + _sync_rounds(stat_syncs)
                       + bool((whole or kv) and not roots) + len(fused),

@@ -34,7 +34,7 @@ from tpcompile.passes.planner.rules.quantized import stored_inputs
 from tpcompile.passes.planner.rules.table import is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["downstream", "entering", "scales", "sync_bytes", "values_bytes", "whole_part_bytes",
+__all__ = ["cut_region", "entering", "scales", "sync_bytes", "values_bytes", "whole_part_bytes",
            "whole_read"]
 
 aten = torch.ops.aten
@@ -186,18 +186,6 @@ def _from_outside(readers, inside: set, carriers: set) -> list[fx.Node]:
         a for n in readers for a in n.all_input_nodes
         if a not in inside and a in carriers and stored_inputs(a) is None
         and differentiable(a.meta.get("val"))))
-
-
-def downstream(nodes: list[fx.Node], layer: str, by_node: dict) -> set[fx.Node]:
-    """The values computed from ``nodes`` within ``layer``, up to the next matmul."""
-    out, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n in out or n.op != "call_function" or layer_of(n) != layer:
-            continue
-        out.add(n)
-        todo.extend(u for u in n.users if u not in by_node)
-    return out
 
 
 def sync_bytes(acts: list[fx.Node], points: list[fx.Node], layer: str,
