@@ -36,7 +36,6 @@ import functools
 import gc
 import time
 import types
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
 

@@ -99,7 +99,8 @@ def grad_syncs(gm, state: Propagation, needs_grad: set,
     to that value through a Jacobian every rank shares (a VJP is linear in the gradient), so
     the sum over ranks may be taken there instead. The sync moves up, and the syncs of values
     forked from one (each expert's ``index_select`` of the tokens, each expert's pick of the
-    routing weights) become one.
+    routing weights) become one. A value made from several pieces of one value synced anyway
+    moves its sync there too (:func:`_rejoined`).
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     copies = copies_of_whole_chunks(gm, state, needs_grad, whole)
@@ -115,9 +116,8 @@ def grad_syncs(gm, state: Propagation, needs_grad: set,
                     and isinstance(state.placements.get(a), Replicate)):
                 partial.setdefault(a, []).append(node)
     for node in reversed(gm.graph.nodes):
-        up = _hoisted_to(state, node, partial.get(node, ()), needs_grad, whole)
-        if up is not None:
-            del partial[node]
+        for up in _hoisted_to(state, node, partial.get(node, ()), needs_grad, whole, partial):
+            partial.pop(node, None)
             partial.setdefault(up, []).append(node)
     return {n.name: tuple(u.name for u in sorted(partial[n], key=order.__getitem__))
             for n in sorted(partial, key=order.__getitem__)}
@@ -136,19 +136,54 @@ def _partial_grad_edge(state: Propagation, value: fx.Node, user: fx.Node,
 
 
 def _hoisted_to(state: Propagation, node: fx.Node, partial_users, needs_grad: set,
-                whole: frozenset[str]):
-    """The one replicated value ``node``'s partial gradient may be summed at, or None."""
-    if not partial_users or node.op != "call_function":
-        return None
+                whole: frozenset[str], partial: dict) -> list[fx.Node]:
+    """The replicated values ``node``'s partial gradient may be summed at: its one input with a
+    gradient, or several that are pieces of one value synced anyway (:func:`_rejoined`); or
+    none."""
+    if not partial_users:
+        return []
     if any(u not in partial_users and (u in needs_grad or u.op == "output") for u in node.users):
-        return None  # some consumer's gradient is whole on every rank: it must not be summed
+        return []  # some consumer's gradient is whole on every rank: it must not be summed
+    carriers = _carriers(state, node, needs_grad, whole)
+    if not carriers or any(c.op != "call_function" for c in carriers):
+        return []
+    if len(carriers) == 1 or _rejoined(state, node, carriers, needs_grad, whole, partial):
+        return carriers
+    return []
+
+
+def _carriers(state: Propagation, node: fx.Node, needs_grad: set,
+              whole: frozenset[str]) -> list[fx.Node]:
+    """The inputs with a gradient of a replicated op that reads only replicated values with no
+    conversion (a gathered or reduced input's backward is no plain VJP on each rank)."""
+    if node.op != "call_function":
+        return []
     inputs = [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
     if any(not _replicated(state, a, whole) or (a, node) in state.conversions for a in inputs):
-        return None  # a gathered or reduced input: its backward is no plain VJP on each rank
-    carriers = [a for a in inputs if a in needs_grad]
-    if len(carriers) != 1 or carriers[0].op != "call_function":
-        return None
-    return carriers[0]
+        return []
+    return [a for a in inputs if a in needs_grad]
+
+
+def _rejoined(state: Propagation, node: fx.Node, carriers: list, needs_grad: set,
+              whole: frozenset[str], partial: dict) -> bool:
+    """Whether ``carriers`` are pieces of one value whose own gradient is synced anyway
+    (HunyuanImage's single-stream block reorders its normed tokens, ``cat([h[:, :-t],
+    h[:, -t:]])``, for q, k and v while its MLP reads ``h``): each computed from it through
+    ops of one input with a gradient, read by nothing else on the way. Summed there, one
+    sync of ``h`` replaces two of the same size."""
+    sources, path = set(), {node}
+    for c in carriers:
+        n = c
+        while n not in partial:
+            path.add(n)
+            up = _carriers(state, n, needs_grad, whole)
+            if len(up) != 1:
+                return False
+            n = up[0]
+        sources.add(n)
+    return len(sources) == 1 and all(
+        u in path or not (u in needs_grad or u.op == "output")
+        for n in path - {node} for u in n.users)
 
 
 def copies_of_whole_chunks(gm, state: Propagation, needs_grad: set,

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from tpcompile.runtime import collectives as C
+from tpcompile.runtime.backward_reach import backward_nodes
 from tpcompile.core.placement import Partial, Replicate, Shard, Specs, positions
 from tpcompile.core.shards import gather_args
 from tpcompile.core.block_paths import block_of, repeated_block_paths
@@ -126,8 +127,11 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     outside the blocks is bucketed with the block after it (Gemma 4's per-layer inputs, made
     before the layers and read by each: their gradient is whole by the time the first layer's
     input is synced). A model input no gradient is asked of (a diffusion model's text
-    embeddings, fed to a column-parallel projection) is a bucket of its own, which never
-    runs: in a block's bucket it would keep out the values computed from its readers. The
+    embeddings, fed to a column-parallel projection), or a value made from such inputs alone
+    (an attention mask cast to the scores' dtype, read by the cut heads), is a bucket of its
+    own, which never runs (:func:`~tpcompile.runtime.backward_reach.backward_nodes`): in a
+    block's bucket it would keep out the values computed from its readers, and its bytes would
+    ride in that block's all-reduce on every step. The
     readers that ran between one value and the next move after the last (they only depend on
     earlier nodes), so the bucket exists before its first reader."""
     blocks = repeated_block_paths(gm)
@@ -135,9 +139,9 @@ def _grad_sync_buckets(gm, plan: ShardingPlan, nodes: dict, order: dict) -> list
     synced = sorted(((nodes[v], [nodes[u] for u in us]) for v, us in plan.grad_syncs.items()),
                     key=lambda item: position[item[0]])
     keys = _bucket_keys(synced, blocks, order)
-    buckets, groups, earlier = [], {}, {}
+    buckets, groups, earlier, reached = [], {}, {}, backward_nodes(gm)
     for value, users in synced:
-        if value.op == "placeholder" and not getattr(value.meta.get("val"), "requires_grad", 1):
+        if value not in reached:
             buckets.append([(value, users)])
             continue
         before = earlier.setdefault(keys[value], [])

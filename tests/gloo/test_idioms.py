@@ -100,6 +100,14 @@ AT_BOUND = {  # idiom -> the world sizes it is planned at the bound (every idiom
     # Flux's single-stream blocks: cat([attn, mlp]) of heads and MLP features runs on each
     # rank's pieces (a joined root), proj_out's rows cut by both: one all-reduce per block
     "dit_single_stream": (2, 4),
+    # AuraFlow: a branch dropped out before its gate, reduced at the projection all the same
+    "dit_gate_after_dropout": (2, 4),
+    # Flux's text tokens joined to and split from the image's in each block; HunyuanImage's
+    # attention over the normed tokens reassembled from two slices: one gradient sync of them
+    "dit_single_stream_text_tokens": (2, 4),
+    "dit_single_stream_reordered": (2, 4),
+    # PixArt: the caller's float mask as every head's bias: no gradient asked, none synced
+    "sdpa_float_mask_input": (2, 4),
 }
 CASES = [(name, ws) for name, sizes in AT_BOUND.items() for ws in sizes]
 # idioms whose collectives carry more bytes than the bound's (the count is Megatron's), at both
@@ -140,7 +148,8 @@ def test_plan_is_megatrons(name, world_size):
 # KV heads than ranks, uneven chunks, experts, a statistic) and the DiTs (conditioning whole by
 # cost; a joined root), the rest with -m slow (CI time; their 4-rank plans are checked above)
 NUMERICS_AT_4_IN_CI = ("fused_qkv_mqa_rotary", "fused_qkv_slices", "moe_grouped_loop",
-                       "qk_norm_whole", "dit_adaln_zero", "dit_single_stream")
+                       "qk_norm_whole", "dit_adaln_zero", "dit_single_stream",
+                       "dit_single_stream_reordered")
 
 
 def _numerics_params() -> list:

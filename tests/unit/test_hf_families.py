@@ -18,16 +18,13 @@ pytest.importorskip("transformers")
 
 
 # above the derived bound, each with why: a strict xfail, so meeting the bound fails the test
-# (Cohere's parallel block meets it by carrying its residual in the partial sum). Both pay the
+# (Cohere's parallel block meets it by carrying its residual in the partial sum). It pays the
 # bound's all-reduces, carrying more bytes (bench/results/bound-bytes-2026-12-07.md)
 ABOVE: dict[str, str] = {
     "GPTNeoXForCausalLM": "a parallel block's two LayerNorms of one input: their outputs' "
     "gradients are summed apart (the planner moves a sync above an op with one input that "
     "carries a gradient only; a LayerNorm's weight and bias carry theirs), where the bound "
     "sums them at the input with the norms' weights and biases, 7,168 bytes fewer per block",
-    "GptOssForCausalLM": "its experts' partial sums are all-reduced per (token, expert) row "
-    "before their biases and routing weights, where the bound sums them per token after, "
-    "7,936 bytes fewer per block",
 }
 
 # with -m slow (CI time): their chunked recurrences (Mamba-2's scan, the gated delta rule) carry

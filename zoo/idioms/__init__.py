@@ -35,11 +35,12 @@ from zoo.idioms.positions import (ALiBiAttention, InterleavedRoPE, LatentAttenti
 from zoo.idioms.projections import (EinsumAttention, FullPrecisionQKNorm, FusedMQA, FusedQKV,
                                     IndexedMQA, MatmulLinear, NormalizedQK, RotaryMQA, SlicedQKV,
                                     SplitWeightQKV, TimmQKV, WholeQKNorm, FusedWholeQKNorm)
-from zoo.idioms.attention import (BatchHeadsBmm, Mamba2Mixer, MaskedSDPA, MaskedSoftmax,
-                                  PaddingMaskLM, RepeatInterleaveKV, RepeatKV, RepeatTiledKV,
-                                  SelectiveScan, SqueezedMQA)
+from zoo.idioms.attention import (BatchHeadsBmm, FloatMaskLM, Mamba2Mixer, MaskedSDPA,
+                                  MaskedSoftmax, PaddingMaskLM, RepeatInterleaveKV, RepeatKV,
+                                  RepeatTiledKV, SelectiveScan, SqueezedMQA, float_mask_inputs)
 from zoo.idioms.blocks import ParallelDroppedOut, ParallelResidualFirst
-from zoo.idioms.diffusion import DiT, GeluMLP, SingleStreamDiT, dit_inputs
+from zoo.idioms.diffusion import (DiT, DroppedOutDiTBlock, GeluMLP, ReorderedSingleStreamBlock,
+                                  SingleStreamDiT, TextTokensDiT, dit_inputs)
 from zoo.idioms.mlps import (CastWeightsSwiGLU, EinsumMoE, FusedGateUp, GroupedExpertsLoop,
                              IndexPutMoE, InterleavedGateUp, ModuleListMoE, NormalizedSwiGLU,
                              PerLayerInputLM, RawParamSwiGLU, ReluSquaredMLP, ScaledTokensMoE,
@@ -127,6 +128,25 @@ _KV = _in_layers("attn.wk.weight", "attn.wv.weight")
 # partial outputs, is a partial sum as well; the routing weights are computed from the block's
 # input (not from a consumer of its synced copy), so both share one all-reduce.
 MOE = dict(replicated=BASELINE.replicated + _in_layers("mlp.router.weight"))
+# a hand plan of a DiT: attention heads and the MLP cut, one all-reduce each per block
+# forward and backward; the conditioning (each block's timestep embedder, which the final
+# layer calls again, and its adaLN modulation) on one row per sample kept whole by cost,
+# the patch embed and the output projection whole
+_DIT = Expect(colwise=ATTN_COL + _in_layers("mlp.fc1.weight", "mlp.fc1.bias"),
+              rowwise=ATTN_ROW + _in_layers("mlp.fc2.weight"),
+              replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "layers.*.mlp.fc2.bias")
+              + _in_layers("emb.*", "adaLN.*"))
+# Flux's single-stream blocks: q / k / v cut by heads and proj_mlp by columns; proj_out
+# row-parallel over cat([attn, mlp]), each rank holding the rows of its heads and of its
+# MLP slice: one all-reduce per block forward and backward. The shared conditioning, the
+# per-head q / k norms and the patch embed and output layers whole
+_SINGLE_STREAM = Expect(
+    colwise=_in_layers("attn.wq.*", "attn.wk.*", "attn.wv.*", "proj_mlp.*"),
+    rowwise=_in_layers("proj_out.weight"),
+    replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "emb.*")
+    + _in_layers("adaLN.*", "proj_out.bias", "attn.q_norm.weight", "attn.k_norm.weight"),
+    fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)
+_TEXT_TOKENS = replace(_SINGLE_STREAM, replicated=_SINGLE_STREAM.replicated + ("context.*",))
 _REGISTRY = [
     # name, factory, expected plan
     ("rope_rotate_half", lambda: LM(attn=RotateHalfRoPE), BASELINE),
@@ -298,25 +318,22 @@ _REGISTRY = [
             replicated=("embed.weight", "head.weight", "norm.weight", "layers.*.norm.*",
                         "layers.*.mlp.fc2.bias"),
             fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
-    # a hand plan of a DiT: attention heads and the MLP cut, one all-reduce each per block
-    # forward and backward; the conditioning (each block's timestep embedder, which the final
-    # layer calls again, and its adaLN modulation) on one row per sample kept whole by cost,
-    # the patch embed and the output projection whole
-    ("dit_adaln_zero", DiT,
-     Expect(colwise=ATTN_COL + _in_layers("mlp.fc1.weight", "mlp.fc1.bias"),
-            rowwise=ATTN_ROW + _in_layers("mlp.fc2.weight"),
-            replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "layers.*.mlp.fc2.bias")
-            + _in_layers("emb.*", "adaLN.*"))),
-    # Flux's single-stream blocks: q / k / v cut by heads and proj_mlp by columns; proj_out
-    # row-parallel over cat([attn, mlp]), each rank holding the rows of its heads and of its
-    # MLP slice: one all-reduce per block forward and backward. The shared conditioning, the
-    # per-head q / k norms and the patch embed and output layers whole
-    ("dit_single_stream", SingleStreamDiT,
-     Expect(colwise=_in_layers("attn.wq.*", "attn.wk.*", "attn.wv.*", "proj_mlp.*"),
-            rowwise=_in_layers("proj_out.weight"),
-            replicated=("patch.*", "proj_out_1.*", "proj_out_2.*", "emb.*")
-            + _in_layers("adaLN.*", "proj_out.bias", "attn.q_norm.weight", "attn.k_norm.weight"),
-            fwd_allreduce_per_layer=1, bwd_allreduce_per_layer=1)),
+    # a DiT and Flux's single-stream blocks at a hand plan (_DIT, _SINGLE_STREAM)
+    ("dit_adaln_zero", DiT, _DIT),
+    ("dit_single_stream", SingleStreamDiT, _SINGLE_STREAM),
+    # AuraFlow: each branch dropped out before its gate; reduced at the projection all the
+    # same, so the gate's gradient comes out whole
+    ("dit_gate_after_dropout", lambda: DiT(block=DroppedOutDiTBlock), _DIT),
+    # Flux's stack: text tokens beside the image's, dropped after the last block (whose text
+    # rows feed nothing); the conditioning's text projection whole with the rest of it
+    ("dit_single_stream_text_tokens", TextTokensDiT, _TEXT_TOKENS),
+    # HunyuanImage: q / k / v read the normed tokens reassembled from two slices, the MLP
+    # reads them whole: their gradients summed once, at the normed tokens
+    ("dit_single_stream_reordered", lambda: TextTokensDiT(block=ReorderedSingleStreamBlock),
+     _TEXT_TOKENS),
+    # PixArt / Sana: the caller's float mask made into every head's additive bias; it asks
+    # no gradient, so it rides in no all-reduce
+    ("sdpa_float_mask_input", lambda: FloatMaskLM(attn=MaskedSDPA), BASELINE),
 ]
 # what each idiom writes its own way, for the support table bench/idioms.py generates
 STYLES = {
@@ -372,9 +389,15 @@ STYLES = {
     "parallel_block_dropped_out": "GPT-J / CodeGen / GPT-NeoX / Phi: one norm, `dropout(attn(h)) + dropout(mlp(h)) + x`, the MLP's biases",
     "dit_adaln_zero": "diffusers DiT (`ada_norm_zero`): Conv2d patch embed, a timestep embedder MLP per block (the final layer calls block 0's again), `Linear(D, 6D)` adaLN-Zero modulation, `proj_out_1` / `proj_out_2`",
     "dit_single_stream": "diffusers Flux `FluxSingleTransformerBlock`: adaLN-single `Linear(D, 3D)`, attention (per-head q / k RMSNorm, no `to_out`) and a GELU MLP side by side, ONE `proj_out` over `cat([attn, mlp], -1)`",
+    "dit_gate_after_dropout": "AuraFlow: `x + gate * dropout(attn(...))`, each branch dropped out between its projection and its adaLN-Zero gate",
+    "dit_single_stream_text_tokens": "Flux's stack: text tokens `cat`ed before the image's, through every single-stream block, dropped after the last (`x[:, text:]`)",
+    "dit_single_stream_reordered": "HunyuanImage single-stream: attention reads `cat([h[:, :-text], h[:, -text:]])`, the MLP reads `h`",
+    "sdpa_float_mask_input": "PixArt / Sana: the caller's float mask `(1 - mask) * -10000` added to every head's scores in SDPA",
 }
 # idiom -> its inputs ``(batch, seq, seed) -> tuple`` when not token ids: ``seq`` tokens
-INPUTS = {"dit_adaln_zero": dit_inputs, "dit_single_stream": dit_inputs}
+INPUTS = {"dit_adaln_zero": dit_inputs, "dit_single_stream": dit_inputs,
+          "dit_gate_after_dropout": dit_inputs, "dit_single_stream_text_tokens": dit_inputs,
+          "dit_single_stream_reordered": dit_inputs, "sdpa_float_mask_input": float_mask_inputs}
 IDIOMS = {name: factory for name, factory, _ in _REGISTRY}
 EXPECT = {name: expect for name, _, expect in _REGISTRY}
 

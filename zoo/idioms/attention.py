@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.idioms.skeleton import Attention, D, HEADS, HIDDEN, LM, MAX_SEQ, RMSNorm
+from zoo.idioms.skeleton import Attention, D, HEADS, HIDDEN, LM, MAX_SEQ, VOCAB, RMSNorm
 
 
 class RepeatKV(Attention):
@@ -97,6 +97,26 @@ class PaddingMaskLM(LM):
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
         keep = (tokens != self.PAD)[:, None, None, :] & causal
         return (keep | torch.eye(T, dtype=torch.bool, device=tokens.device),)  # no empty rows
+
+
+class FloatMaskLM(LM):
+    """diffusers' cross-attention masks (PixArt, Sana): the caller's float keep-mask ``(B, T)``,
+    ``(1 - mask) * -10000`` added to every head's scores; ``forward(tokens, mask)``."""
+
+    def forward(self, tokens, mask):
+        bias = ((1.0 - mask.to(torch.float32)) * -10000.0)[:, None, None, :]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, bias)
+        return self.head(self.norm(x))
+
+
+def float_mask_inputs(batch: int, seq: int, seed: int) -> tuple:
+    """Token ids and a float keep-mask, the last two keys of every sample masked out."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, seq)
+    mask[:, -2:] = 0.0
+    return torch.randint(0, VOCAB, (batch, seq), generator=g), mask
 
 
 class MaskedSDPA(Attention):

@@ -9,7 +9,8 @@ Linear -> SiLU -> Linear) and its modulation (SiLU -> ``Linear(D, 6D)`` chunked 
 and gate for attention and MLP), and the final layer calls the *first* block's embedder again. The
 attention (non-causal SDPA, separate q/k/v/o) and the GELU MLP are the blocks' two column -> row
 chains; the conditioning runs on ``(B, D)``: one row per sample, whatever the image size, which is
-why a hand plan keeps it whole. ``SingleStreamDiT`` swaps in Flux's single-stream blocks.
+why a hand plan keeps it whole. ``SingleStreamDiT`` swaps in Flux's single-stream blocks; the
+other classes are the ways diffusers' models write the same blocks (named in each).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from zoo.idioms.skeleton import D, HIDDEN, LAYERS, Attention, RMSNorm
 
 CHANNELS, PATCH, FREQUENCIES = 4, 3, 32
+TEXT = 2  # text tokens the single-stream variants carry beside the image's
 
 
 class FullAttention(Attention):
@@ -145,11 +147,18 @@ class SingleStreamBlock(nn.Module):
         self.proj_mlp = nn.Linear(D, hidden)
         self.proj_out = nn.Linear(D + hidden, D)
 
-    def forward(self, x, cond):
+    def forward(self, x, cond, text=None):
+        """With ``text`` (Flux), the text tokens join the image's and both come out apart."""
+        joined = x if text is None else torch.cat([text, x], dim=1)
         shift, scale, gate = self.adaLN(F.silu(cond)).chunk(3, dim=-1)
-        h = modulate(self.norm(x), shift, scale)
+        h = modulate(self.norm(joined), shift, scale)
         mlp = F.gelu(self.proj_mlp(h), approximate="tanh")
-        return x + gate[:, None] * self.proj_out(torch.cat([self.attn(h), mlp], dim=-1))
+        attn = self.attn(self.attention_tokens(h))
+        out = joined + gate[:, None] * self.proj_out(torch.cat([attn, mlp], dim=-1))
+        return out if text is None else (out[:, :TEXT], out[:, TEXT:])
+
+    def attention_tokens(self, h):
+        return h
 
 
 class SingleStreamDiT(DiT):
@@ -165,3 +174,47 @@ class SingleStreamDiT(DiT):
 
     def final_condition(self, t, cond):
         return cond
+
+
+class DroppedOutDiTBlock(DiTBlock):
+    """AuraFlow: each branch dropped out between its output projection and its gate."""
+
+    def forward(self, x, t):
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = \
+            self.adaLN(F.silu(self.emb(t))).chunk(6, dim=-1)
+        a = self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        x = x + gate_a[:, None] * F.dropout(a, 0.1, self.training)
+        m = self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+        return x + gate_m[:, None] * F.dropout(m, 0.1, self.training)
+
+
+class ReorderedSingleStreamBlock(SingleStreamBlock):
+    """HunyuanImage's single-stream block: attention reads its normed tokens reassembled from
+    two slices, ``cat([h[:, :-TEXT], h[:, -TEXT:]])`` (where its rotary embedding applies to the
+    image tokens only), the MLP reads them as they are."""
+
+    def attention_tokens(self, h):
+        return torch.cat([h[:, :-TEXT], h[:, -TEXT:]], dim=1)
+
+
+class TextTokensDiT(SingleStreamDiT):
+    """Flux's single-stream stack: ``TEXT`` text tokens (here a projection of the conditioning)
+    ride beside the image tokens through every block, each block joining and splitting them
+    again, and the last block's text tokens feed nothing."""
+
+    def __init__(self, block=SingleStreamBlock):
+        super().__init__()
+        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
+        self.context = nn.Linear(D, TEXT * D)
+
+    def forward(self, latents, t):
+        B, C, H, W = latents.shape
+        cond = self.emb(t)
+        x = self.patch(latents).flatten(2).transpose(1, 2)
+        text = self.context(cond).view(B, TEXT, D)
+        for layer in self.layers:
+            text, x = layer(x, cond, text)
+        shift, scale = self.proj_out_1(F.silu(cond)).chunk(2, dim=-1)
+        x = self.proj_out_2(modulate(self.norm_out(x), shift, scale))
+        x = x.view(B, H // PATCH, W // PATCH, PATCH, PATCH, C)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)

@@ -7,7 +7,9 @@ then the product's partial gradient times each rank's share, a partial sum of it
 rides in the block's backward sync (the gate's bytes, every block). Megatron reduces at the
 projection, where the gate's gradient comes out whole. Here a partial sum read by a product
 with a replicated value that carries a gradient (``Constraints.needs_grad``) is reduced where
-it is read, when nothing is saved by waiting:
+it is made, when it reaches the product directly or through ops that pass a sum on (AuraFlow
+drops the branch out before its gate, ERNIE-Image permutes and casts it), and nothing is saved
+by waiting:
 
 - its sum meets no other partial sum before it is reduced (a MoE's experts, each scaled by
   its routing weight and summed: one all-reduce for all of them beats one per expert);
@@ -39,9 +41,23 @@ def scaled_partials(gm: fx.GraphModule, state: Propagation, constraints: Constra
     early = {node.name for node, p in state.placements.items()
              if isinstance(p, Partial) and p.reduce == "sum"
              and node.name not in constraints.reduce_early
-             and any(_scaled(state, node, u, constraints.needs_grad) for u in node.users)
+             and any(_scaled(state, src, u, constraints.needs_grad)
+                     for src, u in _readers(state, node))
              and _alone(state, node)}
     return Decision(reduce_early=early)
+
+
+def _readers(state: Propagation, node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(value, reader) pairs of ``node``'s partial sum: its readers, and through the ops that
+    pass it on still a partial sum (a dropout, a cast, a permute), theirs."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            out.append((n, u))
+            if isinstance(state.placements.get(u), Partial) and u.target not in _PRODUCTS:
+                todo.append(u)
+    return out
 
 
 def _scaled(state: Propagation, node: fx.Node, user: fx.Node, needs_grad: frozenset) -> bool:

@@ -98,16 +98,18 @@ from torch import fx
 from tpcompile.core.block_paths import block_path
 from tpcompile.core.capture import Capture, module_path
 from tpcompile.inspect.bound.bound_bytes import (
-    cut_region, entering, scales, sync_bytes, values_bytes, whole_part_bytes, whole_read,
+    before_summands, cut_region, entering, reduced_bytes, scales, sync_bytes, values_bytes,
+    whole_part_bytes, whole_read,
 )
 from tpcompile.inspect.bound.bound_graph import (
     Matmul, computed_from, find_matmuls, grad_carriers, reach_forward, reduce_points,
-    value_bytes, value_users,
+    value_bytes,
 )
 from tpcompile.passes.planner.chain_cost import chain_cost, per_sample_chain, pricing
 from tpcompile.passes.planner.rules.quantized import (
     is_quantized_storage, stored_inputs, weight_targets,
 )
+from tpcompile.runtime.backward_reach import backward_nodes
 
 __all__ = ["Bound", "BlockBound", "megatron_bound"]
 
@@ -253,7 +255,8 @@ def _forward(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     """(all-reduces, bytes, the partial sums, the values scaling them before their
     all-reduce): one per group of rowwise matmuls whose partial sums meet. A group of one
     matmul is reduced at its output or where its sum leaves, whichever costs fewer bytes with
-    the scales' gradients (an adaLN-Zero gate: at the output)."""
+    the scales' gradients (an adaLN-Zero gate: at the output), and before a residual joins
+    it (:func:`before_summands`)."""
     rows = [m.node for m in mms if role.get(m.node) == "rowwise"]
     through = {m.node for m in mms if role.get(m.node) == "whole" and _is_up_of_row(m.node, mms, role)}
     reach = {r: reach_forward(r, layer, through) for r in rows}
@@ -265,19 +268,14 @@ def _forward(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
     total, scaled = 0, []
     for g in groups:
         summed = set().union(*(reach[r] for r in g))
+        if len(g) == 1:  # a lone sum is reduced before the residual joins it
+            summed = before_summands(summed)
         found = scales(summed, carriers)
-        late = _reduced_bytes(summed) + values_bytes(found, layer, trainable, partial)
+        late = reduced_bytes(summed) + values_bytes(found, layer, trainable, partial)
         early = value_bytes(next(iter(g))) if len(g) == 1 else None
         total += late if early is None or late < early else early
         scaled += found if early is None or late < early else []
     return len(groups), total, partial, scaled
-
-
-def _reduced_bytes(reach: set) -> int:
-    """The bytes of one all-reduce of a group's partial sums: its largest value where the sum
-    leaves ``reach`` (read by an op that does not keep it a sum, or by the next block)."""
-    ends = [n for n in reach if not n.users or any(u not in reach for u in value_users(n))]
-    return max(value_bytes(n) for n in ends or reach)
 
 
 def _block(layer: str, mms: list[Matmul], role: dict, trainable: frozenset,
@@ -404,7 +402,9 @@ def megatron_bound(cap: Capture, world_size: int, chain_cost: str = "cuda") -> B
     styles, reasons, blocks, whole_part, priced = {}, {}, {}, {}, set()
     # an inference-only capture (custom autograd Functions under no_grad) runs no backward
     trainable = frozenset() if cap.inference_only else cap.trainable
-    carriers = grad_carriers(cap.gm, trainable)  # inputs whose gradient anything asks
+    # inputs whose gradient anything asks and comes back (not a branch only a discarded
+    # output reads: LTX-2's audio stream after its last block)
+    carriers = backward_nodes(cap.gm, grad_carriers(cap.gm, trainable))
     for layer, group in by_layer.items():  # "": the code around the blocks, judged as one
         unpaid = _unpaid(cap, group, world_size, chain_cost, carriers, [m.activation for m in mms])
         # "": around the blocks, or a model without blocks, judged as one block

@@ -28,16 +28,17 @@ import torch
 from torch import fx
 
 from tpcompile.inspect.bound.bound_graph import (
-    Matmul, differentiable, is_product, layer_of, reduce_points, sizes, value_bytes,
+    Matmul, differentiable, is_product, layer_of, reduce_points, sizes, value_bytes, value_users,
 )
 from tpcompile.passes.planner.rules.quantized import stored_inputs
 from tpcompile.passes.planner.rules.table import is_view
 from tpcompile.passes.planner.rules.writes import any_placement
 
-__all__ = ["cut_region", "entering", "scales", "sync_bytes", "values_bytes", "whole_part_bytes",
-           "whole_read"]
+__all__ = ["before_summands", "cut_region", "entering", "reduced_bytes", "scales", "sync_bytes",
+           "values_bytes", "whole_part_bytes", "whole_read"]
 
 aten = torch.ops.aten
+_ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
 _SCALES = {aten.mul.Tensor, aten.div.Tensor}  # ops that scale a partial sum by another value
 
 
@@ -238,3 +239,43 @@ def _crossed(acts: list[fx.Node], point: fx.Node, layer: str, trainable: frozens
             elif differentiable(a.meta.get("val")):
                 todo.append(a)
     return sum(value_bytes(leaf) for leaf in leaves.values())
+
+
+def reduced_bytes(reach: set) -> int:
+    """The bytes of one all-reduce of a group's partial sums where the sum leaves ``reach``
+    (read by an op that does not keep it a sum, or by the next block): the values it leaves
+    at, but a value made in ``reach`` from another of them (a cast of the sum) only through
+    that one. A sum split into pieces that each leave (a single-stream block's text and image
+    tokens) is reduced whole, every piece; a piece nothing reads is not reduced."""
+    ends = {n for n in reach if any(u not in reach for u in value_users(n))}
+    first = [n for n in ends if not _made_in(n, ends - {n}, reach)]
+    return sum(value_bytes(n) for n in first) if first else max(value_bytes(n) for n in reach)
+
+
+def before_summands(reach: set) -> set:
+    """The part of one partial sum's ``reach`` before a sum adds a value from outside it (the
+    residual stream): past it the sum goes on only as a carried sum, the value one rank's
+    summand. Megatron reduces a row-parallel output before its residual add; tpcompile carries
+    a sum that way only to meet another partial sum (``carried_sums``)."""
+    cut = [n for n in reach if n.target in _ADDS and any(
+        a not in reach and differentiable(a.meta.get("val")) for a in n.all_input_nodes)]
+    past, todo = set(), cut
+    while todo:
+        n = todo.pop()
+        if n not in past:
+            past.add(n)
+            todo += [u for u in n.users if u in reach]
+    return reach - past
+
+
+def _made_in(node: fx.Node, sources: set, reach: set) -> bool:
+    """Whether ``node`` is computed, inside ``reach``, from one of ``sources``."""
+    seen, todo = set(), [a for a in node.all_input_nodes if a in reach]
+    while todo:
+        n = todo.pop()
+        if n in sources:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += [a for a in n.all_input_nodes if a in reach]
+    return False
