@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 import tpcompile
 from zoo import idioms
@@ -52,3 +53,44 @@ def test_bound_bytes_are_the_plans(name):
     assert sum(m.bytes for m in rows) == sum(m.bound_bytes for m in rows), [
         (m.layer, m.bytes, m.bound_bytes) for m in rows]
     assert all((m.forward, m.backward) == (m.bound_forward, m.bound_backward) for m in rows)
+
+
+class _TwoStreams(torch.nn.Module):
+    """A block of two MLPs on two norms of one stream; the second's output feeds the next block,
+    and the last block's leaves only detached (LTX-2's audio stream after its last block: no
+    gradient comes back to it)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.up1, self.down1 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.up2, self.down2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        side = self.down2(torch.relu(self.up2(self.norm2(x))))
+        return x + self.down1(torch.relu(self.up1(self.norm1(x)))), side
+
+
+class _DetachedSide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_TwoStreams() for _ in range(2))
+
+    def forward(self, x):
+        x, side = self.layers[0](x)
+        x, side = self.layers[1](x + torch.sigmoid(side))
+        return x, side.detach()
+
+
+def test_a_stream_no_gradient_comes_back_to_is_no_carrier():
+    """The last block's second MLP input is synced in no backward (its output is detached):
+    the bound does not count it either, so the plan is at it, not below it."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = tpcompile.explain(_DetachedSide(), (torch.randn(2, 8, 32),), 2)
+    rows = {m.layer: m for m in report.megatron}
+    assert (rows["layers.1"].bound_forward, rows["layers.1"].bound_backward) == (2, 1)
+    assert rows["layers.1"].bound_bytes < rows["layers.0"].bound_bytes
+    assert [(m.bytes, m.forward, m.backward) for m in report.megatron] == [
+        (m.bound_bytes, m.bound_forward, m.bound_backward) for m in report.megatron]

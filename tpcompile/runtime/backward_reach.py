@@ -70,9 +70,9 @@ def _carrying(gm: fx.GraphModule) -> set[fx.Node]:
 
 def backward_nodes(gm: fx.GraphModule, carry: set[fx.Node] | None = None) -> set[fx.Node]:
     """The nodes a backward from every floating output passes through: of ``carry`` (the
-    values that require grad; by default as the graph's own tensors say), those whose
-    gradient comes back from an output."""
-    carry = _carrying(gm) if carry is None else carry
+    values that require grad; by default as the graph's own tensors say; a ``detach`` never),
+    those whose gradient comes back from an output."""
+    carry = _carrying(gm) if carry is None else {n for n in carry if n.target not in _STOPS}
     output = next(iter(gm.graph.find_nodes(op="output")))
     reached = {n for n in output.all_input_nodes if n in carry}
     nodes = list(gm.graph.nodes)
