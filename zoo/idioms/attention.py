@@ -103,12 +103,8 @@ class FloatMaskLM(LM):
     """diffusers' cross-attention masks (PixArt, Sana): the caller's float keep-mask ``(B, T)``,
     ``(1 - mask) * -10000`` added to every head's scores; ``forward(tokens, mask)``."""
 
-    def forward(self, tokens, mask):
-        bias = ((1.0 - mask.to(torch.float32)) * -10000.0)[:, None, None, :]
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, bias)
-        return self.head(self.norm(x))
+    def layer_inputs(self, tokens, mask):
+        return (((1.0 - mask.to(torch.float32)) * -10000.0)[:, None, None, :],)
 
 
 def float_mask_inputs(batch: int, seq: int, seed: int) -> tuple:

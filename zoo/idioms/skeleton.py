@@ -91,7 +91,8 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    """Embedding -> LAYERS blocks -> RMSNorm -> LM head; ``layer_inputs`` feeds every block."""
+    """Embedding -> LAYERS blocks -> RMSNorm -> LM head; ``layer_inputs`` feeds every block
+    (made from the tokens and whatever else the caller passes)."""
 
     def __init__(self, attn=Attention, mlp=SwiGLU, block=Block):
         super().__init__()
@@ -100,11 +101,11 @@ class LM(nn.Module):
         self.norm = RMSNorm()
         self.head = nn.Linear(D, VOCAB, bias=False)
 
-    def layer_inputs(self, tokens) -> tuple:
+    def layer_inputs(self, tokens, *rest) -> tuple:
         return ()
 
-    def forward(self, tokens):
-        extra = self.layer_inputs(tokens)
+    def forward(self, tokens, *rest):
+        extra = self.layer_inputs(tokens, *rest)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, *extra)
