@@ -98,8 +98,10 @@ def parallelize(model: nn.Module, example_inputs=(), mesh=None, *, example_kwarg
         example_inputs: a tuple of tensors shaped like a real call (meta tensors work too).
         mesh: a 1-D ``DeviceMesh`` or ``ProcessGroup``; None uses the default process group.
         example_kwargs: keyword inputs of the example call (``attention_mask=...``).
-        vocab_parallel: shard token-embedding tables by vocabulary rows (one extra forward
-            all-reduce each, (N-1)/N of the table saved per rank).
+        vocab_parallel: cut the vocabulary: token-embedding tables by rows (one extra forward
+            all-reduce each) and the LM head (a weight with as many rows as a table, tied or
+            not) column-parallel, its logits all-gathered where the model returns them
+            (``loss_parallel`` keeps them sharded); (N-1)/N of each saved per rank.
         loss_parallel: return logits of a column-parallel LM head as this rank's vocabulary
             shard instead of gathering them; compute the loss with
             :func:`tpcompile.sharded_cross_entropy`. A loss traced inside the model (a

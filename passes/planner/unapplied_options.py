@@ -7,8 +7,7 @@ Which options applied is judged here, in one place, from the finished plan (and,
 decide, this module only reads what they decided.
 
 - ``vocab_parallel``: no table ``embedding`` reads token ids from is cut by vocabulary rows
-  (no such lookup, or a table tied to an LM head whose logits are the model's output: a tied
-  table is cut only with ``loss_parallel=True``, which leaves those logits sharded).
+  (no such lookup, or every table kept whole for a reason the plan names).
 - ``loss_parallel``: no output of the model is left sharded.
 - ``sequence_parallel``: no row-parallel sum is reduce-scattered (no column -> row chain).
 - ``experts``: ``"expert"`` or ``"auto"`` on a model without stacked or looped experts.
@@ -20,7 +19,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
-import torch
 from torch import fx
 
 from tpcompile.core.placement import Partial, Shard
@@ -28,14 +26,6 @@ from tpcompile.core.plan import PlanOptions, ShardingPlan
 from tpcompile.passes.planner.rules.vocabulary import token_tables
 
 __all__ = ["unapplied_options", "unapplied_checkpointing", "announce"]
-
-aten = torch.ops.aten
-
-
-def _read_as_head(gm: fx.GraphModule, table: str) -> bool:
-    """The table is read by other ops than lookups: a tied LM head's matmul."""
-    reads = [n for n in gm.graph.find_nodes(op="get_attr") if n.target == table]
-    return any(user.target is not aten.embedding.default for n in reads for user in n.users)
 
 
 def _vocab(gm: fx.GraphModule, plan: ShardingPlan) -> str | None:
@@ -45,14 +35,7 @@ def _vocab(gm: fx.GraphModule, plan: ShardingPlan) -> str | None:
         return "the model has no embedding table looked up by token ids from its inputs"
     if any(e.style == "vocab" for e in tables):
         return None
-    whys = []
-    for e in tables:
-        if _read_as_head(gm, e.name) and not plan.options.loss_parallel:
-            whys.append(f"{' = '.join(e.aliases)} is tied to the LM head, whose logits are the "
-                        "model's output: a tied table is cut by vocabulary only with "
-                        "loss_parallel=True (the logits left sharded)")
-        else:
-            whys.append(f"{e.name}: {plan.replicated.get(e.name, e.reason)}")
+    whys = [f"{e.name}: {plan.replicated.get(e.name, e.reason)}" for e in tables]
     return "no embedding table was cut by vocabulary rows: " + "; ".join(whys)
 
 

@@ -23,6 +23,8 @@ def _report(tp, ids, mask) -> dict:
         "inv_freq": tp.get_buffer("model.rotary_emb.inv_freq").tolist(),
         "q_proj": tuple(tp.get_parameter("model.layers.0.self_attn.q_proj.weight").shape),
         "down_proj": tuple(tp.get_parameter("model.layers.1.mlp.down_proj.weight").shape),
+        "lm_head_rows": tp.get_parameter("lm_head.weight").shape[0],
+        "vocab": tp.skeleton_capture.skeleton.config.vocab_size,
     }
 
 

@@ -46,6 +46,10 @@ def _check(per_rank: list, ws: int, path: str, want: list, inv_freq: list) -> No
         # column- and row-parallel: this rank read its rows / columns only (hidden 64,
         # intermediate 128)
         assert got["q_proj"] == (64 // ws, 64) and got["down_proj"] == (64, 128 // ws)
+        # from_pretrained cuts the vocabulary (vocab_parallel defaults to True there); the
+        # recipe calls parallelize with its defaults, which keep the LM head whole
+        cut = -(-got["vocab"] // ws) if path == "from_pretrained" else got["vocab"]
+        assert got["lm_head_rows"] == cut
 
 
 @pytest.mark.parametrize("ws, path", [

@@ -8,7 +8,8 @@ from support import cases, launch
 
 pytestmark = pytest.mark.dist
 WORLD_SIZES = (2, 4)
-NAMES = ["llama_vocab_parallel", "gpt2_traced_loss", "llama_traced_loss", "llama_loss_parallel"]
+NAMES = ["llama_vocab_parallel", "gpt2_vocab_parallel", "gpt2_vocab_sequence_parallel",
+         "gpt2_traced_loss", "llama_traced_loss", "llama_loss_parallel"]
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,37 @@ def test_vocab_parallel_embedding(results, ws):
         assert table.style == "vocab"
         rows = [s[0] for s in table.local_shapes]
         assert sum(rows) == 97 and max(rows) - min(rows) <= 1  # uneven vocabulary, exact
-        # one more forward all-reduce (the lookup's partial rows), none backward
+        assert plan.styles()["output.weight"] == "colwise"  # the LM head cuts the vocabulary
+        assert sum(s[0] for s in plan.params["output.weight"].local_shapes) == 97
+        # one more forward all-reduce (the lookup's partial rows) and the logits' all-gather
+        # (backward: each rank's logit gradient is its slice of the whole one); backward, the
+        # head's input gradient is a partial sum: one more all-reduce, as any column chain's
         blocks = 4
-        assert cmp.collectives["forward"] == {"all_reduce": blocks + 1}
+        assert cmp.collectives["forward"] == {"all_reduce": blocks + 1, "all_gather": 1}
+        assert cmp.collectives["backward"] == {"all_reduce": blocks + 1}
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_vocab_parallel_cuts_a_tied_table_and_gathers_its_logits(results, ws):
+    for c in cases(results, ws, "gpt2_vocab_parallel"):
+        cmp, plan = c["cmp"], c["plan"]
+        assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
+        (table,) = [p for p in plan.params.values() if "wte.weight" in p.aliases]
+        assert set(table.aliases) == {"wte.weight", "lm_head.weight"}
+        assert table.style == "vocab" and sum(s[0] for s in table.local_shapes) == 97
+        assert cmp.collectives["forward"]["all_gather"] == 1  # the whole logits returned
+        assert not any("did not apply" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_vocab_and_sequence_parallel_reduce_scatter_the_lookup(results, ws):
+    for c in cases(results, ws, "gpt2_vocab_sequence_parallel"):
+        cmp, plan = c["cmp"], c["plan"]
+        assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
+        assert plan.by_fqn["wte.weight"].style == "vocab"
+        # the lookup's partial rows go straight into sequence shards, as each block's sums
+        blocks = 2  # models.build("gpt2"): 2 blocks of two row-parallel sums each
+        assert cmp.collectives["forward"]["reduce_scatter"] == 2 * blocks + 1
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

@@ -535,10 +535,11 @@ def _labels(ids):
 
 def _vocab_case(name: str) -> dict:
 
-    if name == "llama_vocab_parallel":
-        model = models.build("llama", vocab=97)
+    if name in ("llama_vocab_parallel", "gpt2_vocab_parallel", "gpt2_vocab_sequence_parallel"):
+        model = models.build(name.split("_")[0], vocab=97)
         x = models.example_inputs(model)
-        tp = tpcompile.parallelize(model, x, vocab_parallel=True)
+        tp = tpcompile.parallelize(model, x, vocab_parallel=True,
+                                   sequence_parallel=name.endswith("sequence_parallel"))
         return {"cmp": compare(model, tp, x, steps=3), "plan": tp.plan}
     if name in ("gpt2_traced_loss", "llama_traced_loss"):
         model = WithLoss(models.build(name.split("_")[0], vocab=97))

@@ -81,7 +81,9 @@ def test_options_are_parallelizes_options():
     gm, _, _ = rewrite(model, inputs, 2, rank=0, **options)
     counts = report.collective_counts()
     assert counts == count_collectives(gm)
-    assert counts["forward"]["reduce_scatter"] == 2  # one per row-parallel Linear
+    # one per row-parallel Linear, and the tied table's lookup (cut by vocabulary: its partial
+    # rows are reduce-scattered into sequence shards, as Megatron's with sequence parallelism)
+    assert counts["forward"]["reduce_scatter"] == 3
     assert report.collective_counts() != tpcompile.explain(model, inputs, 2).collective_counts()
 
 

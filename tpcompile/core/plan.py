@@ -47,7 +47,8 @@ class PlanOptions:
     """User choices that change the plan (they are part of the plan's fingerprint).
 
     ``vocab_parallel``: shard token-embedding tables by vocabulary rows (masked lookup, one
-    all-reduce). ``loss_parallel``: leave sharded outputs (logits of a column-parallel LM head)
+    all-reduce) and the LM head by its output rows (logits all-gathered where the model returns
+    them, as Megatron's output layer). ``loss_parallel``: leave sharded outputs (logits of a column-parallel LM head)
     sharded instead of gathering them, for :func:`tpcompile.sharded_cross_entropy`.
     ``sequence_parallel``: run the code between chains (norms, residuals, dropout) on sequence
     shards of dim 1: row-parallel outputs are reduce-scattered, column-parallel inputs gathered.

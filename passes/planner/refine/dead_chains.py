@@ -6,7 +6,9 @@ chain must end where sharded data turns into a partial sum or a replicated resul
 that leaks sharded data into ops needing whole rows (a norm over features, a gathered graph
 output), that all-reduces per-token statistics beyond one chain, or whose partial sum is a
 product of two activations it cuts along the summed dim (attention scores over a head's cut
-features) is killed: its roots stay replicated and propagation reruns. Roots a rule refused
+features) is killed: its roots stay replicated and propagation reruns. An LM head
+``vocab_parallel`` asks to cut (:func:`~tpcompile.passes.planner.rules.vocabulary.vocabulary_heads`)
+ends at the model's output: its logits are all-gathered there. Roots a rule refused
 (``Propagation.rejected``) are killed with them.
 """
 
@@ -22,6 +24,7 @@ from tpcompile.passes.planner.propagate import SEQUENCE, Constraints, Propagatio
 from tpcompile.passes.planner.reads import consumed, roots_behind
 from tpcompile.passes.planner.refine.decision import Decision
 from tpcompile.passes.planner.rules import is_param_matmul
+from tpcompile.passes.planner.rules.vocabulary import vocabulary_heads
 
 __all__ = ["dead_chains"]
 
@@ -33,6 +36,7 @@ def dead_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints
     chains.add_nodes_from(state.roots)
     chains.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
     exits, leaks, ends = set(), {}, {}
+    heads = vocabulary_heads(gm, state.specs.roots) if options.vocab_parallel else set()
     for node, placement in state.placements.items():
         if placement is None or isinstance(placement, (Shard, list, tuple)):
             continue
@@ -48,7 +52,9 @@ def dead_chains(gm: fx.GraphModule, state: Propagation, constraints: Constraints
                    if user.op != "output" else f"the model's output {value.name} is {src} "
                    "(outputs are whole; loss_parallel=True keeps logits sharded)")
         for root in state.specs.bases(src.layout.root):
-            if user.name in state.fallbacks:  # an op with no rule: where the chain ends
+            if user.op == "output" and root in heads:  # the vocabulary's logits, gathered
+                exits.add(root)
+            elif user.name in state.fallbacks:  # an op with no rule: where the chain ends
                 ends.setdefault(root, f"{user.name} ({origin(user)}): "
                                       f"{state.fallbacks[user.name]}")
             else:

@@ -8,7 +8,8 @@ weights it cuts against its all-reduces, forward (the partial sums behind its ro
 and backward (each column input that carries a gradient). A chain that does not pay is killed
 with the numbers that decided it, which ``explain`` lists with the weight's source line. Chains
 on token rows are never judged: they pay at any deployment's size, so no language model's plan
-changes. The batch is dim 0 of the model's first input.
+changes. The batch is dim 0 of the model's first input. An LM head ``vocab_parallel`` asks to
+cut is not judged (generate's head reads the last position: one row per sample).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tpcompile.passes.planner.propagate import Constraints, Propagation
 from tpcompile.passes.planner.reads import consumed, roots_behind
 from tpcompile.passes.planner.refine.decision import Decision
 from tpcompile.passes.planner.rules import is_param_matmul
+from tpcompile.passes.planner.rules.vocabulary import vocabulary_heads
 
 __all__ = ["unpaid_chains"]
 
@@ -38,10 +40,12 @@ def unpaid_chains(gm: fx.GraphModule, state: Propagation, constraints: Constrain
     chains = nx.Graph()
     chains.add_nodes_from(state.roots)
     chains.add_edges_from((a, b) for a, b in state.links if a in state.roots and b in state.roots)
+    asked = (vocabulary_heads(gm, state.specs.roots) if constraints.options.vocab_parallel
+             else set())
     dead = {}
     for component in nx.connected_components(chains):
         cols = {u for r in component for u in state.root_users.get(r, ())}
-        if not per_sample_chain([operands(u)[0] for u in cols], batch):
+        if component & asked or not per_sample_chain([operands(u)[0] for u in cols], batch):
             continue
         cost = _price(state, constraints.needs_grad, component, cols, batch, device)
         if not cost.pays:

@@ -35,6 +35,17 @@ def token_tables(gm: fx.GraphModule) -> list[str]:
     return out
 
 
+def vocabulary_heads(gm: fx.GraphModule, roots: dict) -> set[str]:
+    """The roots (of ``roots``: name -> :class:`RootSpec`) that cut a vocabulary: a weight with
+    as many rows as a token table (the table itself when tied), an LM head. ``vocab_parallel``
+    cuts it whatever its logits cost: gathered where the model returns them whole, as Megatron's
+    output layer, and never judged by the cost rule (generate's head reads one row per
+    sample)."""
+    tables = token_tables(gm)
+    rows = {shape(n)[0] for n in gm.graph.find_nodes(op="get_attr") if n.target in tables}
+    return {r for r, spec in roots.items() if not spec.parts and spec.size in rows}
+
+
 def _contiguous(op, layout) -> bool:
     return all(len(r) == 1 for r in op.specs.ranges(layout)) and not op.overlaps(layout)
 
