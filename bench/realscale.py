@@ -3,6 +3,8 @@
     python -m bench.realscale             # -> results/realscale-<date>.md, .json
     python -m bench.realscale --profile   # also cProfile's top functions of the 8B plan
     python -m bench.realscale --reused-only   # the default path only -> realscale-<date>-reused
+    python -m bench.realscale --all   # the default path, then issue #47's items 2-4, judged
+                                      # (bench/realscale_workloads.py) -> realscale-<date>-all
 
 ``tpcompile.plan_model`` (its defaults: dynamic batch and sequence, block reuse) of
 ``transformers.LlamaForCausalLM`` built on the meta device with the Llama-3 8B (32 layers),
@@ -120,10 +122,15 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", action="store_true", help="cProfile the 8B plan too")
     p.add_argument("--reused-only", action="store_true",
                    help="only the default (reused blocks) points: a minute, not several")
+    p.add_argument("--all", action="store_true",
+                   help="the default points, then a checkpoint to first token, the step at "
+                        "real width and compile against depth (bench/realscale_workloads.py)")
+    p.add_argument("--dir", default="/tmp/tpcompile-llama-1b",
+                   help="--all: where the 1B checkpoint is saved once and read")
     args = p.parse_args(argv)
     load = os.getloadavg()
     rows = []
-    for shape, layers, reuse in [pt for pt in POINTS if pt[2] or not args.reused_only]:
+    for shape, layers, reuse in [pt for pt in POINTS if pt[2] or not (args.reused_only or args.all)]:
         rows.append(_in_subprocess(f"measure({shape!r}, {layers}, {args.world_size}, "
                                    f"{args.seq}, {reuse})", module="realscale"))
         print(f"  {shape} {layers} layers reuse={reuse}: {rows[-1]['total_s']:.2f} s",
@@ -135,11 +142,18 @@ def main(argv=None) -> dict:
     text = (f"{date}, torch {torch.__version__}, load average {load[0]:.1f} before, "
             f"{result['load_after'][0]:.1f} after; world size {args.world_size}, 2 x "
             f"{args.seq} tokens\n\n" + markdown(rows) + "\n")
+    if args.all:
+        from bench import realscale_workloads
+
+        result["workloads"] = realscale_workloads.judged(args.dir)
+        text += "\n" + realscale_workloads.markdown(result["workloads"]) + "\n"
+        result["load_after"] = os.getloadavg()
+        text += f"\nload average {result['load_after'][0]:.1f} at the end\n"
     if args.profile:
         result["profile"] = _in_subprocess("profile()", module="realscale")
         text += "\n```\n" + result["profile"] + "```\n"
     RESULTS.mkdir(exist_ok=True)
-    stem = f"realscale-{date}" + ("-reused" if args.reused_only else "")
+    stem = f"realscale-{date}" + ("-all" if args.all else "-reused" if args.reused_only else "")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{stem}.md").write_text(text)
     print(text)
