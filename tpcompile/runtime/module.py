@@ -64,16 +64,33 @@ class TPModule(nn.Module):
         # generate()'s static-cache modules by (batch, cache length), least recently used
         # first (runtime/cache_modules.py)
         object.__setattr__(self, "generation_modules", OrderedDict())
-        # what a compiled call runs: identical blocks outlined into calls of one compiled
-        # block, so Dynamo/AOT/inductor compile one block body, not one per layer
-        # (runtime/compiled_blocks.py)
-        outlined, calls = compiled_blocks_graph(gm)
-        object.__setattr__(self, "compiled_blocks_graph_module", outlined)
-        self.compiled_block_calls = calls
         # opt-in: torch.compile(tp, options=tpcompile.compile_options(compiled_blocks=True))
         # must go with it (inductor's buffer reuse is wrong there in torch 2.13; the backend
         # does both)
         self.compiled_blocks = False
+
+    @property
+    def compiled_blocks(self) -> bool:
+        """Whether a compiled call runs :attr:`compiled_blocks_graph_module`."""
+        return self.__dict__["_compiled_blocks"]
+
+    @compiled_blocks.setter
+    def compiled_blocks(self, on: bool) -> None:
+        if on:  # outlined now, outside the trace a compiled call starts
+            self._outlined()
+        object.__setattr__(self, "_compiled_blocks", bool(on))
+
+    def _outlined(self) -> tuple[fx.GraphModule, int]:
+        """What a compiled call runs: identical blocks outlined into calls of one compiled
+        block, so Dynamo/AOT/inductor compile one block body, not one per layer
+        (runtime/compiled_blocks.py). Built on first use: most modules (generate's captures,
+        eager training) never run it."""
+        if "_outlined_blocks" not in self.__dict__:
+            object.__setattr__(self, "_outlined_blocks", compiled_blocks_graph(self.graph_module))
+        return self.__dict__["_outlined_blocks"]
+
+    compiled_blocks_graph_module = property(lambda self: self._outlined()[0])
+    compiled_block_calls = property(lambda self: self._outlined()[1])
 
     # the documented former names of the three attributes above (docs/compile.md)
     compile_regions = property(lambda self: self.compiled_blocks,
