@@ -61,12 +61,21 @@ def test_readme_sweep_counts_are_the_results_files():
         assert claim in readme, claim
 
 
-def test_readme_planning_seconds_are_the_results_files():
-    """The README's real-scale planning times are bench/realscale's rows, as measured."""
-    data = json.loads((ROOT / "bench/results/realscale-2026-12-06-reused.json").read_text())
+def test_readme_real_scale_figures_are_the_results_files():
+    """The README's real-scale planning times and workload ratios are bench/realscale's rows,
+    as measured."""
+    data = json.loads((ROOT / "bench/results/realscale-2026-12-07-all.json").read_text())
     seconds = {r["shape"]: r["total_s"] for r in data["rows"] if r["reuse"] and r["world_size"] == 8
                and r["layers"] in (32, 80, 126)}
+    value = {r["measure"]: r["value"] for r in data["workloads"]}
+    rss = value["peak RSS per rank / the weights' bytes"]
     readme = " ".join((ROOT / "README.md").read_text().split())
-    claim = (f"{seconds['8B']:.2f} s for 8B, {seconds['70B']:.2f} s for 70B and "
-             f"{seconds['405B']:.2f} s for 405B")
-    assert claim in readme, claim
+    for claim in (f"{seconds['8B']:.2f} s for 8B, {seconds['70B']:.2f} s for 70B and "
+                  f"{seconds['405B']:.2f} s for 405B",
+                  f"peaks at {rss:.2f}x the weights'",
+                  f"takes {value['from_pretrained (meta model, parallelize, load) s']:.2f} s",
+                  f"the first `generate` "
+                  f"{value['first generate call / repeated call (first token)']:.2f}x",
+                  f"is {value['tpcompile eager step / ideal']:.2f}x the ideal eager and "
+                  f"{value['tpcompile compiled step / ideal']:.2f}x compiled"):
+        assert claim in readme, claim
