@@ -146,6 +146,34 @@ def hf_generate(rank: int, world_size: int, names: list, train: bool = False,
     return out
 
 
+def vocab_generate(rank: int, world_size: int, names: list) -> dict:
+    """``vocab_parallel=True``: greedy and sampled tokens (ranks seeded apart), the LM head's
+    rows on this rank and each generation graph's collectives."""
+    out = {}
+    for name in names:
+        model = hf_causal_lm(name).eval()
+        ids, mask = hf_prompt()
+        tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask},
+                                   vocab_parallel=True)
+        greedy = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        sample = dict(attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=20,
+                      top_p=0.9, temperature=0.8, pad_token_id=0)
+        case = {"want": model.generate(ids, **greedy).tolist(),
+                "tokens": tp.generate(ids, **greedy).tolist()}
+        torch.manual_seed(7)
+        case["sample_want"] = model.generate(ids, **sample).tolist()
+        torch.manual_seed(7 + rank)
+        case["sampled"] = tp.generate(ids, **sample).tolist()
+        inner = next(iter(tp.generation_modules.values()))
+        head = model.get_output_embeddings().weight
+        case["head_rows"] = (inner.get_parameter("model." + next(
+            n for n, p in model.named_parameters() if p is head)).shape[0], head.shape[0])
+        case["collectives"] = [count_collectives(gm)["forward"] for gm in
+                               [inner.graph_module] + [gm for _, gm in inner.signatures]]
+        out[name] = case
+    return out
+
+
 def deep_generate(rank: int, world_size: int) -> dict:
     """A 6-layer Llama's greedy tokens against the unsharded model's, with the notes of its
     generation captures (a capture of the whole model notes why its blocks were not reused)."""

@@ -85,6 +85,19 @@ def test_fewer_kv_heads_than_ranks_cache_only_the_heads_read(name):
     _check(4, per_rank, [name], sampled=False)
 
 
+def test_vocab_parallel_generation_cuts_the_head_and_gathers_the_last_logits():
+    """``vocab_parallel=True`` (``from_pretrained``'s default): Llama's own LM head and GPT-2's
+    tied table hold vocab / N rows in the generation captures too; each graph gathers its
+    last position's logits once and adds the lookup's all-reduce; greedy and sampled tokens
+    are the unsharded model's."""
+    for per_rank in [run_on_ranks(f"{WORKERS}:vocab_generate", 2, FAST)]:
+        for c in (r[name] for r in per_rank for name in FAST):
+            assert c["tokens"] == c["want"] and c["sampled"] == c["sample_want"]
+            local, vocab = c["head_rows"]
+            assert local == vocab // 2
+            assert c["collectives"] == [{"all_reduce": 2 * LAYERS + 1, "all_gather": 1}] * 2
+
+
 def test_a_deep_models_generation_captures_reuse_its_blocks():
     """6 layers: the prefill and decode captures export three blocks and stamp the rest, each
     with its own KV cache (no note of a whole capture); tokens are the unsharded model's and

@@ -3,6 +3,8 @@ vocabulary a vocabulary-parallel cross entropy."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import fx
 
@@ -16,11 +18,20 @@ from tpcompile.passes.planner.rules.einsum import replicate_all
 aten = torch.ops.aten
 
 
+# an input holding positions, not token ids, by the names models give it (Hugging Face's
+# position_ids and cache_position, gpt-fast's input_pos): a position table looked up by it
+# is no vocabulary, whether the model computes its positions (parallelize's call) or is
+# handed them (generate's static-cache wrapper), so both captures cut the same tables
+POSITIONS = re.compile(r"position|(^|_)pos(_|$)")
+
+
 def _from_inputs(node) -> bool:
-    """Indices that come from the caller (token ids), not computed in the model (positions)."""
+    """Indices that come from the caller (token ids), not computed in the model or passed
+    as positions (:data:`POSITIONS`)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in SAME_VALUES:
         node = node.args[0]
-    return isinstance(node, fx.Node) and node.op == "placeholder"
+    return (isinstance(node, fx.Node) and node.op == "placeholder"
+            and not POSITIONS.search(node.name))
 
 
 def token_tables(gm: fx.GraphModule) -> list[str]:
