@@ -165,8 +165,8 @@ class SingleStreamDiT(DiT):
     """The DiT skeleton with ``LAYERS`` single-stream blocks conditioned on one shared timestep
     embedding (Flux's ``time_text_embed``), the final layer's too; ``forward(latents, t)``."""
 
-    def __init__(self):
-        super().__init__(block=SingleStreamBlock)
+    def __init__(self, block=SingleStreamBlock):
+        super().__init__(block=block)
         self.emb = TimestepEmbedder()
 
     def condition(self, t):
@@ -203,8 +203,7 @@ class TextTokensDiT(SingleStreamDiT):
     again, and the last block's text tokens feed nothing."""
 
     def __init__(self, block=SingleStreamBlock):
-        super().__init__()
-        self.layers = nn.ModuleList(block() for _ in range(LAYERS))
+        super().__init__(block=block)
         self.context = nn.Linear(D, TEXT * D)
 
     def forward(self, latents, t):
