@@ -36,16 +36,22 @@ def test_vocab_parallel_embedding(results, ws):
         assert cmp.collectives["backward"] == {"all_reduce": blocks + 1}
 
 
+def _tied_table(plan, prefix: str):
+    """GPT-2's one table under both names, cut by vocabulary rows (97 of them)."""
+    (table,) = [p for p in plan.params.values() if f"{prefix}wte.weight" in p.aliases]
+    assert set(table.aliases) == {f"{prefix}wte.weight", f"{prefix}lm_head.weight"}
+    assert table.style == "vocab" and sum(s[0] for s in table.local_shapes) == 97
+    return table
+
+
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_vocab_parallel_cuts_a_tied_table_and_gathers_its_logits(results, ws):
     for c in cases(results, ws, "gpt2_vocab_parallel"):
-        cmp, plan = c["cmp"], c["plan"]
+        cmp = c["cmp"]
         assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
-        (table,) = [p for p in plan.params.values() if "wte.weight" in p.aliases]
-        assert set(table.aliases) == {"wte.weight", "lm_head.weight"}
-        assert table.style == "vocab" and sum(s[0] for s in table.local_shapes) == 97
+        _tied_table(c["plan"], "")
         assert cmp.collectives["forward"]["all_gather"] == 1  # the whole logits returned
-        assert not any("did not apply" in n for n in plan.notes)
+        assert not any("did not apply" in n for n in c["plan"].notes)
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
@@ -62,12 +68,9 @@ def test_vocab_and_sequence_parallel_reduce_scatter_the_lookup(results, ws):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_tied_table_is_sharded_once_under_a_traced_loss(results, ws):
     for c in cases(results, ws, "gpt2_traced_loss"):
-        cmp, plan = c["cmp"], c["plan"]
+        cmp = c["cmp"]
         assert cmp.output_err <= 1e-5 and cmp.max_grad_err <= 1e-5 and cmp.max_step_err <= 1e-4
-        (table,) = [p for p in plan.params.values() if "lm.wte.weight" in p.aliases]
-        assert set(table.aliases) == {"lm.wte.weight", "lm.lm_head.weight"}
-        assert table.style == "vocab" and not table.grad_sync
-        assert sum(s[0] for s in table.local_shapes) == 97
+        assert not _tied_table(c["plan"], "lm.").grad_sync
         # the logits are never gathered: only all-reduces, two of them inside the loss
         assert set(cmp.collectives["forward"]) == {"all_reduce"}
 
