@@ -112,7 +112,7 @@ def rank_main(rank: int, world_size: int, config: dict) -> list:
     return rows
 
 
-def _summarize(per_rank: list[list]) -> list[dict]:
+def summarize(per_rank: list[list]) -> list[dict]:
     """Per (variant, depth): median and range over rounds of the slowest rank's times."""
     groups: dict = {}
     for rows in zip(*per_rank):
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     load = os.getloadavg()
     per_rank = run_on_ranks(f"{Path(__file__).resolve()}:rank_main", args.world_size, cfg,
                             timeout=7200)
-    summary = _summarize(per_rank)
+    summary = summarize(per_rank)
     print(f"{args.model}, {args.world_size} gloo ranks, batch {args.batch}, seq {args.seq}, "
           f"{args.repeats} rounds; time from the model to the end of its first compiled step\n")
     print(tables(summary, cfg["layers"]))

@@ -30,7 +30,7 @@ def one_run(model: str, world_size: int, steps: int) -> dict:
                            only=",".join(VARIANTS))
     per_rank = run_on_ranks(f"{Path(step_time.__file__).resolve()}:rank_main", world_size,
                             asdict(cfg), timeout=1800)
-    summary = step_time._summarize(per_rank)
+    summary = step_time.summarize(per_rank)
     return {v: summary[v]["step_ms"] for v in VARIANTS}
 
 

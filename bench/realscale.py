@@ -147,8 +147,8 @@ def main(argv=None) -> dict:
 
         result["workloads"] = realscale_workloads.judged(args.dir)
         text += "\n" + realscale_workloads.markdown(result["workloads"]) + "\n"
-        result["load_after"] = os.getloadavg()
-        text += f"\nload average {result['load_after'][0]:.1f} at the end\n"
+        result["load_end"] = os.getloadavg()  # load_after: when the planning points ended
+        text += f"\nload average {result['load_end'][0]:.1f} at the end\n"
     if args.profile:
         result["profile"] = _in_subprocess("profile()", module="realscale")
         text += "\n```\n" + result["profile"] + "```\n"

@@ -68,7 +68,7 @@ def step() -> list[dict]:
     from bench import step_time
 
     cfg = step_time.Config(**STEP, only=",".join(STEP_VARIANTS))
-    s = step_time._summarize(run_on_ranks(f"{step_time.__file__}:rank_main", 2, asdict(cfg),
+    s = step_time.summarize(run_on_ranks(f"{step_time.__file__}:rank_main", 2, asdict(cfg),
                                           timeout=3600))
     ideal = s["tpcompile eager"]["ideal_ms"]
     return [
@@ -89,7 +89,7 @@ def compile_depth() -> list[dict]:
 
     cfg = {"model": "llama", "batch": 4, "seq": 128, "repeats": 1, "layers": list(DEPTHS),
            "variants": ["dtensor compiled", "tpcompile compiled"]}
-    rows = compile_time._summarize(run_on_ranks(f"{compile_time.__file__}:rank_main", 2, cfg,
+    rows = compile_time.summarize(run_on_ranks(f"{compile_time.__file__}:rank_main", 2, cfg,
                                                 timeout=7200))
     at = {(r["variant"], r["layers"]): r["first_step_s"] for r in rows}
     return [_row("compile", f"tpcompile / DTensor first compiled step, {d} layers",

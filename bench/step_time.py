@@ -221,7 +221,7 @@ def rank_main(rank: int, world_size: int, config: dict) -> dict:
     return {"variants": result, "unsharded_param_bytes": _local_bytes(model.parameters())}
 
 
-def _summarize(per_rank: list[dict]) -> dict:
+def summarize(per_rank: list[dict]) -> dict:
     """Per variant: medians over steps of the slowest rank's time; the rest from rank 0."""
     per_rank = [r["variants"] for r in per_rank]
     out, ideal_ms = {}, None
@@ -272,7 +272,7 @@ def table(summary: dict) -> str:
 
 
 def _report(cfg: Config, per_rank: list[dict], load: tuple) -> None:
-    summary = _summarize(per_rank)
+    summary = summarize(per_rank)
     full = per_rank[0]["unsharded_param_bytes"]
     print(f"{cfg.model}, {cfg.world_size} ranks ({cfg.device}), batch {cfg.batch}, seq {cfg.seq}, "
           f"dim {cfg.dim}, {cfg.layers} layers, median of {cfg.steps} steps; unsharded "

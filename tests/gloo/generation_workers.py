@@ -107,12 +107,9 @@ def static_cache(rank: int, world_size: int, cases: list, lit: bool = False) -> 
 
 # ----------------------------------------------------------------- Hugging Face generate
 
-def _hf_case(name: str, sample: bool = True) -> dict:
-    """Greedy tokens, the cache and the collectives; with ``sample``, sampled tokens and a
-    refused beam search too."""
-    model = hf_causal_lm(name).eval()
-    ids, mask = hf_prompt()
-    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+def _generated(model, tp, ids, mask, sample: bool) -> dict:
+    """The unsharded model's and the module's greedy tokens; with ``sample``, their sampled
+    tokens too (top-k, top-p, temperature), the module's ranks seeded apart."""
     greedy_args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     sample_args = dict(attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=20,
                        top_p=0.9, temperature=0.8, pad_token_id=0)
@@ -123,6 +120,17 @@ def _hf_case(name: str, sample: bool = True) -> dict:
         out["sample_want"] = model.generate(ids, **sample_args).tolist()
         torch.manual_seed(7 + dist.get_rank())  # ranks seeded apart: still the same tokens
         out["sampled"] = tp.generate(ids, **sample_args).tolist()
+    return out
+
+
+def _hf_case(name: str, sample: bool = True) -> dict:
+    """Greedy tokens, the cache and the collectives; with ``sample``, sampled tokens and a
+    refused beam search too."""
+    model = hf_causal_lm(name).eval()
+    ids, mask = hf_prompt()
+    tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask})
+    out = _generated(model, tp, ids, mask, sample)
+    if sample:
         out["beams"] = _error(lambda: tp.generate(ids, num_beams=2, max_new_tokens=2))
     inner = next(iter(tp.generation_modules.values()))
     out["caches"] = {n: tuple(b.shape) for n, b in inner.named_buffers() if n.startswith("key_cache")}
@@ -155,15 +163,7 @@ def vocab_generate(rank: int, world_size: int, names: list) -> dict:
         ids, mask = hf_prompt()
         tp = tpcompile.parallelize(model, (ids,), example_kwargs={"attention_mask": mask},
                                    vocab_parallel=True)
-        greedy = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        sample = dict(attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=20,
-                      top_p=0.9, temperature=0.8, pad_token_id=0)
-        case = {"want": model.generate(ids, **greedy).tolist(),
-                "tokens": tp.generate(ids, **greedy).tolist()}
-        torch.manual_seed(7)
-        case["sample_want"] = model.generate(ids, **sample).tolist()
-        torch.manual_seed(7 + rank)
-        case["sampled"] = tp.generate(ids, **sample).tolist()
+        case = _generated(model, tp, ids, mask, sample=True)
         inner = next(iter(tp.generation_modules.values()))
         head = model.get_output_embeddings().weight
         case["head_rows"] = (inner.get_parameter("model." + next(

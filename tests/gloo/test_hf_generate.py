@@ -90,12 +90,12 @@ def test_vocab_parallel_generation_cuts_the_head_and_gathers_the_last_logits():
     tied table hold vocab / N rows in the generation captures too; each graph gathers its
     last position's logits once and adds the lookup's all-reduce; greedy and sampled tokens
     are the unsharded model's."""
-    for per_rank in [run_on_ranks(f"{WORKERS}:vocab_generate", 2, FAST)]:
-        for c in (r[name] for r in per_rank for name in FAST):
-            assert c["tokens"] == c["want"] and c["sampled"] == c["sample_want"]
-            local, vocab = c["head_rows"]
-            assert local == vocab // 2
-            assert c["collectives"] == [{"all_reduce": 2 * LAYERS + 1, "all_gather": 1}] * 2
+    per_rank = run_on_ranks(f"{WORKERS}:vocab_generate", 2, FAST)
+    for c in (r[name] for r in per_rank for name in FAST):
+        assert c["tokens"] == c["want"] and c["sampled"] == c["sample_want"]
+        local, vocab = c["head_rows"]
+        assert local == vocab // 2
+        assert c["collectives"] == [{"all_reduce": 2 * LAYERS + 1, "all_gather": 1}] * 2
 
 
 def test_a_deep_models_generation_captures_reuse_its_blocks():
